@@ -1,0 +1,52 @@
+"""Policies: what the agent loop asks for the next assistant message.
+
+`Policy` is the protocol the loop depends on. `load_policy` builds one from a spec:
+`"default"` or a checkpoint directory (the MoE engine, `EnginePolicy`), or
+`"replay:FILE"` (the scripted policy that replays assistant texts from a JSON list).
+This module does not render prompts itself; the policy's `ChatTemplate` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@dataclass
+class Completion:
+    """One model call, as the loop and the store see it."""
+    text: str                                  # decoded completion (stop string excluded)
+    prompt_ids: list[int]                      # token ids of the rendered prompt, as fed
+    completion_ids: list[int]                  # token ids as generated, never re-rendered
+    logprobs: list[float]                      # behaviour logprob of each completion token
+    routes: Any = None                         # np.ndarray [T, L, k] uint8/int16, or None
+    finish_reason: str = "stop"                # "stop" | "length" | "eos" | "cancelled"
+    version: int = 0                           # policy version that produced it
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str                                  # e.g. "default", a path, "replay:steps.json"
+    version: int                               # current policy version (changes on hot swap)
+    context_window: int                        # in this policy's own tokens
+
+    def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        """Tokens of the rendered prompt (with the generation prompt appended)."""
+        ...
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
+                 max_new_tokens: int | None = None,
+                 on_text: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> Completion:
+        """Render `messages`, generate the next assistant message, return it."""
+        ...
+
+
+def load_policy(spec: str = "default", **kwargs: Any) -> Policy:
+    """Build a policy from `"default"`, a checkpoint path, or `"replay:FILE"`."""
+    if spec.startswith("replay:"):
+        from agent_runtime.replay_policy import ReplayPolicy
+        return ReplayPolicy.from_file(spec[len("replay:"):], **kwargs)
+    from agent_runtime.engine_policy import EnginePolicy
+    return EnginePolicy.load(spec, **kwargs)

@@ -1,0 +1,1 @@
+"""plugins: editor/tool integrations and plugin hook specs."""

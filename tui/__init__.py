@@ -1,0 +1,1 @@
+"""tui: the Textual terminal app over agent_runtime's public API."""
