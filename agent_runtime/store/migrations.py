@@ -1,0 +1,174 @@
+"""Numbered schema migrations for `apprentice.db` (the simonw/llm pattern).
+
+Each migration is a function `mNNN_name(db)` registered with `@migration`, applied once, in
+order, and recorded in the `_migrations` table. `migrate()` runs every missing migration in a
+single `BEGIN IMMEDIATE` transaction, so two processes opening a fresh database at the same time
+serialize on SQLite's write lock: the first applies the migrations, the second finds them
+recorded and does nothing. Never edit a released migration; add a new one.
+
+This module owns the schema only; reading and writing rows is `store.py`'s job.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Callable
+
+import sqlite_utils
+
+from agent_runtime.store.blobs import ROUTES_DTYPES
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = []
+
+FEEDBACK_REASONS = ("misunderstood", "wrong_change", "unnecessary_change", "should_ask",
+                    "incomplete", "other")
+
+
+def migration(fn: Callable[[sqlite_utils.Database], None]):
+    """Register `fn` as the next migration; its name (`mNNN_...`) is its identity."""
+    MIGRATIONS.append(fn)
+    return fn
+
+
+def _quoted(values) -> str:
+    return ", ".join(f"'{v}'" for v in values)
+
+
+@migration
+def m001_initial(db: sqlite_utils.Database) -> None:
+    reasons = _quoted(FEEDBACK_REASONS)
+    route_dtypes = _quoted(ROUTES_DTYPES)
+    for sql in [
+        """CREATE TABLE sessions (
+            id TEXT PRIMARY KEY,                 -- uuid4 hex
+            task TEXT NOT NULL,
+            workspace TEXT NOT NULL,
+            model TEXT NOT NULL,
+            policy_version INTEGER NOT NULL DEFAULT 0,
+            status TEXT NOT NULL DEFAULT 'running' CHECK (status IN
+                ('running', 'finished', 'failed', 'cancelled', 'budget_exhausted')),
+            summary TEXT,
+            meta TEXT,                           -- JSON object or NULL
+            pid INTEGER,                         -- process that created the session
+            created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL
+        )""",
+        "CREATE INDEX sessions_created_at ON sessions (created_at)",
+        """CREATE TABLE segments (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL,                -- 0, 1, ... within the session
+            summary TEXT,                        -- what the previous segments were about
+            created_at TEXT NOT NULL,
+            UNIQUE (session_id, idx)
+        )""",
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            idx INTEGER NOT NULL,                -- per-session sequence 0, 1, 2, ...
+            segment INTEGER NOT NULL,
+            role TEXT NOT NULL,
+            content TEXT,
+            tool_calls TEXT,                     -- JSON list or NULL
+            tool_call_id TEXT,
+            name TEXT,
+            meta TEXT,
+            created_at TEXT NOT NULL,
+            UNIQUE (session_id, idx),
+            FOREIGN KEY (session_id, segment) REFERENCES segments (session_id, idx)
+        )""",
+        """CREATE TABLE tool_calls (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            message_id INTEGER NOT NULL REFERENCES messages (id) ON DELETE CASCADE,
+            call_id TEXT NOT NULL,               -- the id the model/loop gave the call
+            name TEXT NOT NULL,
+            arguments TEXT NOT NULL,             -- JSON: an object, or a string as emitted
+            result TEXT,                         -- NULL until finished
+            ok INTEGER,
+            duration_s REAL,
+            data TEXT,
+            created_at TEXT NOT NULL,
+            finished_at TEXT
+        )""",
+        "CREATE INDEX tool_calls_session ON tool_calls (session_id)",
+        "CREATE INDEX tool_calls_message ON tool_calls (message_id)",
+        f"""CREATE TABLE samples (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            segment INTEGER NOT NULL,
+            message_id INTEGER REFERENCES messages (id) ON DELETE SET NULL,
+            prompt_ids BLOB NOT NULL,            -- uint32 little-endian
+            completion_ids BLOB NOT NULL,        -- uint32 little-endian
+            logprobs BLOB NOT NULL,              -- float32 little-endian, one per completion id
+            n_prompt INTEGER NOT NULL,
+            n_completion INTEGER NOT NULL,
+            routes BLOB,                         -- [T, L, k] in routes_dtype, or NULL
+            routes_dtype TEXT CHECK (routes_dtype IN ({route_dtypes})),
+            routes_tokens INTEGER,
+            routes_layers INTEGER,
+            routes_k INTEGER,
+            policy_version INTEGER NOT NULL,
+            finish_reason TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            FOREIGN KEY (session_id, segment) REFERENCES segments (session_id, idx),
+            CHECK (length(prompt_ids) = 4 * n_prompt),
+            CHECK (length(completion_ids) = 4 * n_completion),
+            CHECK (length(logprobs) = 4 * n_completion),
+            CHECK (routes IS NULL OR length(routes) = routes_tokens * routes_layers * routes_k
+                   * CASE routes_dtype WHEN 'uint8' THEN 1 ELSE 2 END)
+        )""",
+        "CREATE INDEX samples_session ON samples (session_id)",
+        f"""CREATE TABLE feedback (
+            id INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+            message_id INTEGER REFERENCES messages (id) ON DELETE CASCADE,
+            rating INTEGER NOT NULL CHECK (rating IN (-1, 1)),
+            reason TEXT CHECK (reason IS NULL OR reason IN ({reasons})),
+            source TEXT NOT NULL DEFAULT 'explicit',   -- explicit | edit_kept | edit_reverted | ...
+            comment TEXT,
+            created_at TEXT NOT NULL
+        )""",
+        "CREATE INDEX feedback_session ON feedback (session_id)",
+        """CREATE TABLE policy_versions (
+            version INTEGER PRIMARY KEY,
+            sha256 TEXT NOT NULL,                -- of the canonical bf16 tensor bytes
+            source TEXT,
+            meta TEXT,
+            created_at TEXT NOT NULL
+        )""",
+    ]:
+        db.execute(sql)
+
+
+def _applied(db: sqlite_utils.Database) -> set[str]:
+    if not db["_migrations"].exists():
+        return set()
+    return {row["name"] for row in db.query("SELECT name FROM _migrations")}
+
+
+def migrate(db: sqlite_utils.Database) -> list[str]:
+    """Apply the missing migrations in one transaction; return the names applied now."""
+    wanted = [fn.__name__ for fn in MIGRATIONS]
+    if set(wanted) <= _applied(db):                   # fast path: no write lock needed
+        return []
+    db.conn.execute("BEGIN IMMEDIATE")                 # waits (busy_timeout) for other writers
+    try:
+        db.execute("CREATE TABLE IF NOT EXISTS _migrations "
+                   "(name TEXT PRIMARY KEY, applied_at TEXT NOT NULL)")
+        done = _applied(db)
+        applied = []
+        for fn in MIGRATIONS:
+            if fn.__name__ in done:
+                continue
+            fn(db)
+            now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+            db.execute("INSERT INTO _migrations (name, applied_at) VALUES (?, ?)",
+                       [fn.__name__, now])
+            applied.append(fn.__name__)
+        db.conn.execute("COMMIT")
+    except BaseException:
+        if db.conn.in_transaction:
+            db.conn.execute("ROLLBACK")
+        raise
+    return applied
