@@ -1,0 +1,144 @@
+"""Batched generation with a KV cache: greedy / temperature / top-k / top-p, stop strings, seeds.
+
+Returns, per prompt, the sampled tokens, each token's behaviour log-probability under the
+distribution it was actually sampled from (after temperature and top-k/top-p filtering; for
+greedy decoding, under the untempered model distribution), the expert routes of every token
+fed to the model, and a finish reason. Ragged prompts are left-padded. This module does not
+render chat prompts or parse tool calls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from agent_runtime.model.model import MoEModel
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0                # 0 = greedy
+    top_p: float = 1.0                      # nucleus mass kept (1 = off)
+    top_k: int = 0                          # keep the k most likely tokens (0 = off)
+    stop: Sequence[str] = ()                # stop strings (need `decode`); excluded from .text
+    stop_token_ids: Sequence[int] = ()      # e.g. eos / <|im_end|>; the token is kept
+    seed: int | None = None                 # same seed, same prompt, same weights -> same tokens
+
+
+@dataclass
+class Generation:
+    tokens: list[int]                       # sampled token ids, as generated
+    logprobs: list[float]                   # behaviour logprob of each sampled token
+    routes: torch.Tensor | None             # [P + T - 1, L, k] uint8/int16: every token fed
+    finish_reason: str                      # "eos" | "stop" | "length" | "cancelled"
+    text: str | None = None                 # decoded completion up to a stop string
+    prompt_len: int = 0
+
+
+def _filter_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [B, V] of the distribution we sample from."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p           # mass before this token already >= p
+        drop[:, 0] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    return logits.log_softmax(-1)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] and their behaviour logprobs [B] from last-position logits [B, V]."""
+    logits = logits.float()
+    if p.temperature <= 0:
+        tok = logits.argmax(-1)
+        return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+    logp = _filter_logprobs(logits, p)
+    tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def _route_dtype(model: MoEModel) -> torch.dtype:
+    return torch.uint8 if model.args.num_experts <= 256 else torch.int16
+
+
+@torch.inference_mode()
+def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
+             decode: Callable[[list[int]], str] | None = None,
+             on_token: Callable[[int, int, float], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> list[Generation]:
+    """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams."""
+    p = params or SamplingParams()
+    if p.stop and decode is None:
+        raise ValueError("stop strings need a `decode` function (token ids -> text)")
+    B = len(prompts)
+    if B == 0:
+        return []
+    lens = [len(x) for x in prompts]
+    if min(lens) == 0:
+        raise ValueError("every prompt needs at least one token")
+    P = max(lens)
+    dev = model.embed_tokens.weight.device
+    ids = torch.zeros(B, P, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.bool)
+    for b, x in enumerate(prompts):
+        ids[b, P - len(x):] = torch.tensor(list(x), dtype=torch.long)
+        mask[b, P - len(x):] = True
+    ragged = min(lens) != P
+    ids, mask = ids.to(dev), mask.to(dev)
+    total = P + p.max_new_tokens
+    if total > model.args.max_position:
+        raise ValueError(f"prompt ({P}) + max_new_tokens ({p.max_new_tokens}) exceeds the "
+                         f"context window ({model.args.max_position})")
+    gen = torch.Generator().manual_seed(p.seed if p.seed is not None else int(torch.randint(2**62, ())))
+    cache = model.new_cache(B, total)
+    out = model(ids, cache=cache, attention_mask=mask if ragged else None, logits_to_keep=1)
+    route_chunks = [out.routes.to(_route_dtype(model)).cpu()] if out.routes is not None else []
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logprobs: list[list[float]] = [[] for _ in range(B)]
+    reasons: list[str | None] = [None] * B
+    texts: list[str | None] = [None] * B
+    stop_ids = set(p.stop_token_ids)
+    for step in range(p.max_new_tokens):
+        if should_stop is not None and should_stop():
+            reasons = [r or "cancelled" for r in reasons]
+            break
+        tok, lp = sample(out.logits[:, -1], p, gen)
+        tok_l, lp_l = tok.tolist(), lp.tolist()
+        for b in range(B):
+            if reasons[b] is not None:
+                continue
+            tokens[b].append(tok_l[b])
+            logprobs[b].append(lp_l[b])
+            if on_token is not None:
+                on_token(b, tok_l[b], lp_l[b])
+            if tok_l[b] in stop_ids:
+                reasons[b] = "eos"
+            elif p.stop:
+                text = decode(tokens[b])
+                hits = [text.find(s) for s in p.stop if s and s in text]
+                if hits:
+                    reasons[b], texts[b] = "stop", text[:min(hits)]
+        if all(r is not None for r in reasons) or step == p.max_new_tokens - 1:
+            break
+        out = model(tok[:, None].to(dev), cache=cache)
+        if out.routes is not None:
+            route_chunks.append(out.routes.to(_route_dtype(model)).cpu())
+    routes = torch.cat(route_chunks, dim=1) if route_chunks else None     # [B, P + steps, L, k]
+    results = []
+    for b in range(B):
+        n = len(tokens[b])
+        r = routes[b, P - lens[b]:P + n - 1] if routes is not None else None
+        text = texts[b]
+        if text is None and decode is not None:
+            text = decode(tokens[b])
+        results.append(Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
+                                  finish_reason=reasons[b] or "length", text=text, prompt_len=lens[b]))
+    return results

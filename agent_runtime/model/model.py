@@ -1,0 +1,307 @@
+"""One plain-PyTorch MoE decoder covering qwen2_moe, qwen3_moe, olmoe, mixtral and granitemoe.
+
+RMSNorm, RoPE, grouped-query attention with a preallocated KV cache, and an MoE block (router +
+experts stored fused as 3-D tensors). `MoEModel.forward` returns logits and the routes (top-k
+expert ids per token per MoE layer); passing `routes=` replays them (router replay): the experts
+are forced while the gate weights are recomputed from the current router logits, so the router
+still gets gradient. Loading/saving lives in `checkpoint.py`, sampling in `generate.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent_runtime.model.config import ModelArgs
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                    # [B, T, V] (T = logits_to_keep when given)
+    routes: torch.Tensor | None             # [B, T, L, k] int64 expert ids, L = MoE layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache:
+    """Preallocated keys/values for every layer; all rows share one write position."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        shape = (batch, args.num_kv_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # key padding
+        self.max_len = max_len
+        self.pos = 0                          # columns filled so far
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.pos + k.shape[2]
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int):
+        super().__init__()
+        self.a, self.layer = a, layer
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        if a.qk_norm == "head":
+            self.q_norm = RMSNorm(a.head_dim, a.rms_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_eps)
+        elif a.qk_norm == "full":
+            self.q_norm = RMSNorm(a.num_heads * a.head_dim, a.rms_eps)
+            self.k_norm = RMSNorm(a.num_kv_heads * a.head_dim, a.rms_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        a = self.a
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [B, T, heads*D]
+        if a.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, a.num_heads, a.head_dim)
+        k = k.view(B, T, a.num_kv_heads, a.head_dim)
+        if a.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                      # [B, h, T, D]
+        v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                    # [B, 1, T, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=a.scale,
+                                             enable_gqa=a.num_heads != a.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """All routed experts of one layer as fused tensors: gate_up [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        E, H, I = a.num_experts, a.hidden_size, a.expert_size
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down = nn.Parameter(torch.empty(E, H, I))
+
+    def _one(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        g, u = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)            # [n, I] each
+        return F.linear(F.silu(g) * u, self.down[e])                    # [n, H]
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        N, k = idx.shape                                                 # x [N, H]
+        if N == 1:                                                       # decode: k small matmuls
+            out = None
+            for j, e in enumerate(idx[0].tolist()):
+                y = self._one(x, e) * w[:, j:j + 1]
+                out = y if out is None else out + y
+            return out
+        flat = idx.reshape(-1)                                           # [N*k]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        token = order // k                                               # source token per slot
+        xs = x[token]                                                    # [N*k, H]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = self._one(xs[start:start + n], e)
+                start += n
+        ys = ys * w.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+class MoE(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
+        self.experts = Experts(a)
+        if a.shared_expert_size:
+            self.shared_expert = MLP(a.hidden_size, a.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor, routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [N, k] and gate weights [N, k]; `routes` forces the ids (replay)."""
+        a = self.a
+        logits = self.gate(x).float()                                    # [N, E]
+        if a.router_mode == "softmax_topk":
+            probs = logits.softmax(-1)
+            if routes is None:
+                w, idx = probs.topk(a.top_k, dim=-1)
+            else:
+                idx = routes
+                w = probs.gather(-1, idx)
+            if a.norm_topk_prob:
+                w = w / w.sum(-1, keepdim=True)
+        else:                                                            # top-k, then softmax
+            if routes is None:
+                top, idx = logits.topk(a.top_k, dim=-1)
+            else:
+                idx = routes
+                top = logits.gather(-1, idx)
+            w = top.softmax(-1)
+        return idx, w.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        idx, w = self.route(flat, None if routes is None else routes.reshape(-1, self.a.top_k))
+        out = self.experts(flat, idx, w)
+        if self.a.shared_expert_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(B, T, H), idx.view(B, T, -1)
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int):
+        super().__init__()
+        self.a = a
+        self.is_moe = a.moe_layers[layer]
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_eps)
+        self.self_attn = Attention(a, layer)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_eps)
+        self.mlp = MoE(a) if self.is_moe else MLP(a.hidden_size, a.dense_size)
+
+    def forward(self, x, cos, sin, cache, mask, causal, routes):
+        m = self.a.residual_multiplier
+        h = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, causal)
+        x = x + h * m if m != 1.0 else x + h
+        h = self.post_attention_layernorm(x)
+        idx = None
+        if self.is_moe:
+            h, idx = self.mlp(h, routes)
+        else:
+            h = self.mlp(h)
+        x = x + h * m if m != 1.0 else x + h
+        return x, idx
+
+
+class MoEModel(nn.Module):
+    def __init__(self, args: ModelArgs, hf_config: dict | None = None):
+        super().__init__()
+        self.args = args
+        self.hf_config = dict(hf_config or {})
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        D = args.head_dim
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.args, batch, max_len, self.dtype, self.embed_tokens.weight.device)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.float()      # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, routes: torch.Tensor | None = None, *,
+                cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> ModelOutput:
+        """input_ids [B, T]; routes [B, T, L, k] replays expert choices; attention_mask [B, T]
+        marks real tokens (False = left padding) of this call; logits_to_keep=n keeps the last n."""
+        a = self.args
+        B, T = input_ids.shape
+        past = cache.pos if cache is not None else 0
+        if cache is not None and past + T > cache.max_len:
+            raise ValueError(f"KV cache overflow: {past + T} tokens > cache length {cache.max_len}")
+        valid = attention_mask.bool() if attention_mask is not None else None
+        if cache is not None:
+            cache.valid[:, past:past + T] = True if valid is None else valid
+            if valid is None and not bool(cache.valid[:, :past].all()):
+                valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+        if positions is None:
+            if cache is not None and (valid is not None or not bool(cache.valid[:, :past].all())):
+                positions = cache.valid[:, :past + T].long().cumsum(-1)[:, past:] - 1
+            elif valid is not None:
+                positions = valid.long().cumsum(-1) - 1
+            else:
+                positions = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
+            positions = positions.clamp(min=0)
+        mask, causal = self._mask(B, T, past, valid, cache, input_ids.device)
+
+        x = self.embed_tokens(input_ids)
+        if a.embedding_multiplier != 1.0:
+            x = x * a.embedding_multiplier
+        cos, sin = self._rope(positions, x.dtype)
+        all_routes = []
+        j = 0
+        for block in self.layers:
+            r = None
+            if block.is_moe and routes is not None:
+                r = routes[:, :, j]
+            x, idx = block(x, cos, sin, cache, mask, causal, r)
+            if idx is not None:
+                all_routes.append(idx)
+                j += 1
+        if cache is not None:
+            cache.pos = past + T
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(self.norm(x))
+        if a.logits_scaling != 1.0:
+            logits = logits / a.logits_scaling
+        out_routes = torch.stack(all_routes, dim=2) if all_routes else None  # [B, T, L, k]
+        return ModelOutput(logits=logits, routes=out_routes)
+
+    @staticmethod
+    def _mask(B, T, past, valid, cache, device) -> tuple[torch.Tensor | None, bool]:
+        """Boolean attention mask [B, 1, T, S] or None with an is_causal flag."""
+        if valid is None and cache is None:
+            return None, T > 1
+        if valid is None and (T == 1 or past == 0):
+            return None, T > 1
+        S = past + T
+        key_valid = cache.valid[:, :S] if cache is not None else valid
+        q_pos = torch.arange(past, S, device=device)
+        k_pos = torch.arange(S, device=device)
+        causal = k_pos[None, :] <= q_pos[:, None]                         # [T, S]
+        diag = k_pos[None, :] == q_pos[:, None]                           # keep pad rows finite
+        mask = (causal[None] & key_valid[:, None, :]) | diag[None]        # [B, T, S]
+        return mask[:, None], False
