@@ -79,6 +79,17 @@ class SafetensorsFile:
                              offset=self.base + start)
         return t.view(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the mapped pages of a tensor we have copied out (keeps peak RSS near 1x)."""
+        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, end = self.header[name]["data_offsets"]
+        page = mmap.PAGESIZE
+        lo = -(-(self.base + start) // page) * page
+        hi = (self.base + end) // page * page
+        if hi > lo:
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
 
 class CheckpointReader:
     """All tensors of a checkpoint directory (single file or sharded with an index)."""
@@ -109,6 +120,9 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"config.json implies {tuple(shape)}")
         return t
+
+    def release(self, name: str) -> None:
+        self.where[name].release(name)
 
 
 def _moe_prefix(a: ModelArgs, i: int) -> str:
@@ -154,11 +168,16 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     meta = dict(model.named_parameters(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
 
-    def put(name: str, t: torch.Tensor) -> None:
-        state[name] = t.to(want) if want is not None and t.dtype != want else t
+    def put(name: str, hf_name: str, shape: tuple[int, ...]) -> None:
+        t = reader.get(hf_name, shape)
+        if want is not None and t.dtype != want:
+            state[name] = t.to(want)
+            reader.release(hf_name)
+        else:
+            state[name] = t
 
     for name, hf_name in _simple_names(model):
-        put(name, reader.get(hf_name, meta[name].shape))
+        put(name, hf_name, meta[name].shape)
     E, H, I = a.num_experts, a.hidden_size, a.expert_size
     g, u, d = _expert_names(a)
     for i, block in enumerate(model.layers):
@@ -168,17 +187,20 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
         fused = (f"{p}.input_linear.weight", f"{p}.output_linear.weight") if a.model_type == "granitemoe" \
             else (f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj")
         if fused[0] in reader:
-            put(f"layers.{i}.mlp.experts.gate_up", reader.get(fused[0], (E, 2 * I, H)))
-            put(f"layers.{i}.mlp.experts.down", reader.get(fused[1], (E, H, I)))
+            put(f"layers.{i}.mlp.experts.gate_up", fused[0], (E, 2 * I, H))
+            put(f"layers.{i}.mlp.experts.down", fused[1], (E, H, I))
             continue
         first = reader.get(f"{p}.experts.0.{g}.weight", (I, H))
         dt = want or first.dtype
         gate_up = torch.empty(E, 2 * I, H, dtype=dt)
         down = torch.empty(E, H, I, dtype=dt)
         for e in range(E):
-            gate_up[e, :I] = reader.get(f"{p}.experts.{e}.{g}.weight", (I, H))
-            gate_up[e, I:] = reader.get(f"{p}.experts.{e}.{u}.weight", (I, H))
-            down[e] = reader.get(f"{p}.experts.{e}.{d}.weight", (H, I))
+            names = [f"{p}.experts.{e}.{n}.weight" for n in (g, u, d)]
+            gate_up[e, :I] = reader.get(names[0], (I, H))
+            gate_up[e, I:] = reader.get(names[1], (I, H))
+            down[e] = reader.get(names[2], (H, I))
+            for n in names:
+                reader.release(n)
         state[f"layers.{i}.mlp.experts.gate_up"] = gate_up
         state[f"layers.{i}.mlp.experts.down"] = down
     if a.tie_embeddings:

@@ -22,31 +22,29 @@ def hf_config(family: str, **over):
                   num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None,
                   eos_token_id=None, pad_token_id=None)
     if family == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(**common, moe_intermediate_size=24, intermediate_size=56,
+        cls, kw = transformers.Qwen2MoeConfig, dict(moe_intermediate_size=24, intermediate_size=56,
                                           shared_expert_intermediate_size=40, num_experts=8,
                                           num_experts_per_tok=2, mlp_only_layers=[1],
                                           norm_topk_prob=False, rope_theta=50000.0)
     elif family == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=24, intermediate_size=56,
+        cls, kw = transformers.Qwen3MoeConfig, dict(moe_intermediate_size=24, intermediate_size=56,
                                           num_experts=8, num_experts_per_tok=3, head_dim=16,
                                           norm_topk_prob=True)
     elif family == "olmoe":
-        cfg = transformers.OlmoeConfig(**common, intermediate_size=24, num_experts=8,
+        cls, kw = transformers.OlmoeConfig, dict(intermediate_size=24, num_experts=8,
                                        num_experts_per_tok=2, clip_qkv=4.0, norm_topk_prob=False)
     elif family == "mixtral":
-        cfg = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=8,
+        cls, kw = transformers.MixtralConfig, dict(intermediate_size=24, num_local_experts=8,
                                          num_experts_per_tok=2, tie_word_embeddings=True,
                                          rope_theta=1e6)
     elif family == "granitemoe":
-        cfg = transformers.GraniteMoeConfig(**common, intermediate_size=24, num_local_experts=8,
+        cls, kw = transformers.GraniteMoeConfig, dict(intermediate_size=24, num_local_experts=8,
                                             num_experts_per_tok=2, embedding_multiplier=3.0,
                                             residual_multiplier=0.5, attention_multiplier=0.2,
                                             logits_scaling=2.5)
     else:
         raise ValueError(family)
-    for k, v in over.items():
-        setattr(cfg, k, v)
-    return cfg
+    return cls(**{**common, **kw, **over})
 
 
 def make_hf_model(family: str, seed: int = 0, std: float = 0.15, **over):

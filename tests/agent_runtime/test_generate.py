@@ -1,0 +1,101 @@
+"""Generation: ragged batches, sampling controls, behaviour logprobs, stops, seeds, streaming."""
+
+import math
+
+import pytest
+import torch
+
+from agent_runtime.model import load_model
+from agent_runtime.model.generate import SamplingParams, _filter_logprobs, generate
+from tiny_checkpoints import VOCAB, save_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(save_hf_checkpoint("qwen3_moe", tmp_path_factory.mktemp("m")), dtype="float32")
+
+
+def prompts(*lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def test_ragged_batch_equals_one_by_one(model):
+    ps = prompts(5, 17, 11)
+    batch = generate(model, ps, SamplingParams(max_new_tokens=12))
+    for p, g in zip(ps, batch):
+        single = generate(model, [p], SamplingParams(max_new_tokens=12))[0]
+        assert g.tokens == single.tokens
+        assert max(abs(a - b) for a, b in zip(g.logprobs, single.logprobs)) < 1e-4
+        assert torch.equal(g.routes, single.routes)
+
+
+def test_same_seed_same_tokens_other_seed_differs(model):
+    p = prompts(9)
+    sp = dict(max_new_tokens=24, temperature=1.5)
+    a = generate(model, p, SamplingParams(seed=7, **sp))[0].tokens
+    b = generate(model, p, SamplingParams(seed=7, **sp))[0].tokens
+    c = generate(model, p, SamplingParams(seed=8, **sp))[0].tokens
+    assert a == b and a != c
+
+
+def test_behaviour_logprob_is_under_the_filtered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    lp = _filter_logprobs(logits, SamplingParams(temperature=0.5, top_k=3))
+    assert math.isinf(lp[0, 3]) and math.isinf(lp[0, 4])
+    assert torch.allclose(lp[0, :3], (logits[0, :3] / 0.5).log_softmax(-1))
+    lp = _filter_logprobs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    kept = torch.isfinite(lp[0])
+    assert kept.tolist() == [True, True, False, False, False]   # p(0)=0.61 < 0.7 <= p(0)+p(1)
+    assert abs(lp[0, kept].exp().sum().item() - 1) < 1e-6
+
+
+def test_sampled_tokens_respect_top_k(model):
+    p = prompts(6)
+    g = generate(model, p, SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1, seed=3))[0]
+    greedy = generate(model, p, SamplingParams(max_new_tokens=20))[0]
+    assert g.tokens == greedy.tokens
+    assert all(abs(x) < 1e-6 for x in g.logprobs)              # one token left: probability 1
+
+
+def test_stop_token_ends_a_row_and_is_kept(model):
+    p = prompts(8)
+    free = generate(model, p, SamplingParams(max_new_tokens=16))[0].tokens
+    stop = free[5]
+    first = free.index(stop)
+    g = generate(model, p, SamplingParams(max_new_tokens=16, stop_token_ids=[stop]))[0]
+    assert g.tokens == free[:first + 1] and g.finish_reason == "eos"
+    assert len(g.routes) == len(p[0]) + len(g.tokens) - 1
+
+
+def test_stop_string_truncates_text(model):
+    decode = lambda ids: "".join(chr(65 + i % 26) for i in ids)
+    p = prompts(8)
+    free = generate(model, p, SamplingParams(max_new_tokens=16), decode=decode)[0]
+    needle = free.text[6:8]
+    g = generate(model, p, SamplingParams(max_new_tokens=16, stop=[needle]), decode=decode)[0]
+    assert g.finish_reason == "stop"
+    assert g.text == free.text[:free.text.index(needle)]
+
+
+def test_streaming_callback_sees_every_token_in_order(model):
+    seen = []
+    g = generate(model, prompts(4, 7), SamplingParams(max_new_tokens=10),
+                 on_token=lambda row, tok, lp: seen.append((row, tok)))
+    for row in (0, 1):
+        assert [t for r, t in seen if r == row] == g[row].tokens
+
+
+def test_cancel_stops_generation(model):
+    count = {"n": 0}
+
+    def stop():
+        count["n"] += 1
+        return count["n"] > 3
+    g = generate(model, prompts(5), SamplingParams(max_new_tokens=50), should_stop=stop)[0]
+    assert g.finish_reason == "cancelled" and len(g.tokens) == 3
+
+
+def test_context_window_is_enforced(model):
+    with pytest.raises(ValueError, match="context window"):
+        generate(model, prompts(10), SamplingParams(max_new_tokens=model.args.max_position))
