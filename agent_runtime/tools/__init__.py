@@ -2,5 +2,6 @@
 run_command, finish)."""
 
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, ToolResult, tool_schema
+from agent_runtime.tools.registry import default_tools
 
-__all__ = ["Tool", "ToolContext", "ToolError", "ToolResult", "tool_schema"]
+__all__ = ["Tool", "ToolContext", "ToolError", "ToolResult", "tool_schema", "default_tools"]
