@@ -1,0 +1,147 @@
+"""`apprentice run / sessions / feedback`: thin commands over the library."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from agent_runtime.cli import main
+from agent_runtime.store import SessionStore
+
+ROOT = Path(__file__).resolve().parents[2]
+FIX = str(ROOT / "examples" / "calc_fix.json")
+
+
+def call(name, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("APPRENTICE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    ws = tmp_path / "calc"
+    shutil.copytree(ROOT / "examples" / "calc", ws)
+    return ws
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def latest_session(home):
+    with SessionStore(home) as store:
+        return store.list_sessions(1)[0]
+
+
+def test_every_command_has_help_text():
+    def walk(command, path):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, path + [name])
+
+    for path, command in walk(main, []):
+        assert command.help, f"`apprentice {' '.join(path)}` has no help text"
+        assert invoke(*path, "--help").exit_code == 0
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden:
+                assert param.help, f"option {param.name} of `apprentice {' '.join(path)}`"
+
+
+def test_the_readme_command_fixes_the_example_and_feedback_lands_in_the_store(home, workspace):
+    env = dict(os.environ, APPRENTICE_HOME=str(home))
+    proc = subprocess.run([sys.executable, "-m", "agent_runtime.cli", "run", "Fix the failing test",
+                           "-w", str(workspace), "--policy", f"replay:{FIX}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "▸ edit_file" in proc.stdout and "all tests passed" in proc.stdout
+    assert "finished" in proc.stdout
+    assert subprocess.run([sys.executable, "test_calc.py"], cwd=workspace).returncode == 0
+    session = latest_session(home)
+    with SessionStore(home) as store:
+        sid = session["id"]
+        assert len(store.tool_calls(sid)) == 5 and len(store.samples(sid)) == 4
+        assistant = next(m["id"] for m in store.messages(sid) if m["role"] == "assistant")
+    out = invoke("feedback", sid[:8], "down", "--message", assistant, "--reason", "wrong_change",
+                 "--comment", "too eager")
+    assert out.exit_code == 0, out.output
+    with SessionStore(home) as store:
+        (row,) = store.feedback(sid)
+    assert (row["rating"], row["message_id"], row["reason"], row["comment"], row["source"]) == \
+        (-1, assistant, "wrong_change", "too eager", "explicit")
+
+
+def test_run_exits_non_zero_when_the_agent_did_not_finish(home, workspace, tmp_path):
+    script = tmp_path / "loop.json"
+    script.write_text(json.dumps([call("list_files")] * 5))
+    out = invoke("run", "task", "-w", workspace, "--policy", f"replay:{script}", "--max-steps", 2)
+    assert out.exit_code == 2 and "budget_exhausted" in out.output
+    script.write_text(json.dumps([call("list_files")]))
+    assert invoke("run", "task", "-w", workspace, "--policy", f"replay:{script}").exit_code == 1
+
+
+def test_json_output_is_one_event_per_line_ending_with_the_result(home, workspace):
+    out = invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}", "--json")
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    kinds = {e["event"] for e in events}
+    assert {"text", "message", "tool_start", "tool_end", "result"} <= kinds
+    assert events[-1]["event"] == "result" and events[-1]["status"] == "finished"
+
+
+def test_copy_leaves_the_workspace_untouched(home, workspace):
+    before = (workspace / "calc.py").read_text()
+    out = invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}", "--copy")
+    assert out.exit_code == 0 and (workspace / "calc.py").read_text() == before
+    copied = Path(latest_session(home)["workspace"])
+    assert copied.parent == home / "workspaces" and "a + b" in (copied / "calc.py").read_text()
+
+
+def test_the_sandbox_fallback_warning_goes_to_stderr(home, workspace, monkeypatch):
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    out = invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}")
+    assert out.exit_code == 0 and "WITHOUT a sandbox" in out.stderr
+    assert "WITHOUT a sandbox" not in out.stdout
+
+
+def test_sessions_list_and_show_find_a_session_by_prefix(home, workspace):
+    invoke("run", "Fix the failing test", "-w", workspace, "--policy", f"replay:{FIX}")
+    sid = latest_session(home)["id"]
+    listed = invoke("sessions", "list")
+    assert sid[:12] in listed.output and "finished" in listed.output
+    assert sid[:12] in invoke("sessions").output                     # bare `sessions` lists
+    shown = invoke("sessions", "show", sid[:6])
+    assert shown.exit_code == 0 and "Fix the failing test" in shown.output
+    assert "▸ edit_file" in shown.output and "#3 assistant" in shown.output
+    record = json.loads(invoke("sessions", "show", sid, "--json").output)
+    assert record["session"]["id"] == sid and len(record["tool_calls"]) == 5
+
+
+def test_unknown_session_and_bad_reason_are_clean_errors(home, workspace):
+    assert "no session matching" in invoke("sessions", "show", "nope").output
+    invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}")
+    sid = latest_session(home)["id"]
+    out = invoke("feedback", sid, "up", "--reason", "because")
+    assert out.exit_code == 2 and "because" in out.output
+    assert invoke("feedback", sid, "up", "--message", 999999).exit_code == 1
+
+
+def test_sessions_resume_continues_and_finishes(home, workspace, tmp_path):
+    script = tmp_path / "two.json"
+    script.write_text(json.dumps([call("list_files")] * 2))
+    invoke("run", "task", "-w", workspace, "--policy", f"replay:{script}", "--max-steps", 1)
+    sid = latest_session(home)["id"]
+    script.write_text(json.dumps([call("finish", summary="resumed and done")]))
+    out = invoke("sessions", "resume", sid[:10], "--policy", f"replay:{script}",
+                 "--message", "please wrap up")
+    assert out.exit_code == 0 and "resumed and done" in out.output
+    assert latest_session(home)["status"] == "finished"
