@@ -55,6 +55,25 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+UPCAST_ROWS = 8  # CPU bf16/fp16 matmuls with at least this many rows run in fp32
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except that on CPU half-precision matmuls over many rows (prefill) upcast to
+    fp32: CPUs without native bf16 FMA run fp32 GEMMs several times faster, and the result
+    (fp32 accumulation, rounded once) is what a bf16 GEMM computes anyway. One-row decode
+    stays in bf16, where reading half the bytes is what matters."""
+    if w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" \
+            and x.numel() >= UPCAST_ROWS * x.shape[-1]:
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    return F.linear(x, w, b)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -64,10 +83,10 @@ class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
         self.a, self.layer = a, layer
-        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        self.q_proj = Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
         if a.qk_norm == "head":
             self.q_norm = RMSNorm(a.head_dim, a.rms_eps)
             self.k_norm = RMSNorm(a.head_dim, a.rms_eps)
@@ -104,9 +123,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, inner: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inner, bias=False)
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -122,8 +141,8 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(E, H, I))
 
     def _one(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        g, u = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)            # [n, I] each
-        return F.linear(F.silu(g) * u, self.down[e])                    # [n, H]
+        g, u = linear(x, self.gate_up[e]).chunk(2, dim=-1)              # [n, I] each
+        return linear(F.silu(g) * u, self.down[e])                      # [n, H]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape                                                 # x [N, H]
@@ -152,11 +171,11 @@ class MoE(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.a = a
-        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
+        self.gate = Linear(a.hidden_size, a.num_experts, bias=False)     # the router
         self.experts = Experts(a)
         if a.shared_expert_size:
             self.shared_expert = MLP(a.hidden_size, a.shared_expert_size)
-            self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(a.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor, routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [N, k] and gate weights [N, k]; `routes` forces the ids (replay)."""
@@ -222,7 +241,7 @@ class MoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         D = args.head_dim

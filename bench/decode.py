@@ -1,0 +1,164 @@
+"""Prefill and decode throughput of our engine vs `transformers` on the same MoE checkpoint.
+
+    python bench/decode.py                       # ~0.5 B test shape, fp32 and bf16, 2 threads
+    python bench/decode.py --model PATH          # any HF-format MoE checkpoint
+    python bench/decode.py --device cuda         # on a GPU
+
+Both engines load the same checkpoint, get the same prompt, decode the same number of greedy
+tokens (checked identical), and are timed in the same run. Prints prefill and decode tokens/s,
+the memory-bandwidth bound (active bytes per token over measured copy bandwidth) and, last,
+the ratios ours/transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from agent_runtime.model import load_model, save_model
+from agent_runtime.model.config import args_from_hf
+from agent_runtime.model.generate import SamplingParams, generate
+from agent_runtime.model.model import MoEModel
+
+TEST_SHAPE = {  # ~0.5 B parameters: hidden 1024, 8 layers, 32 experts top-4, width 512
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32768,
+    "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+    "num_key_value_heads": 4, "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 512, "intermediate_size": 2048, "norm_topk_prob": True,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "hidden_act": "silu",
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+    "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+}
+
+
+def make_checkpoint(path: Path) -> Path:
+    torch.manual_seed(0)
+    model = MoEModel(args_from_hf(TEST_SHAPE), TEST_SHAPE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) * 0.5 + 0.75 if "norm" in name else torch.randn_like(p) * 0.02)
+    save_model(model, path, dtype="bfloat16")
+    return path
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes moved per second by a large tensor copy (read + write)."""
+    x = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * x.numel() * 4 / min(times)
+
+
+def active_bytes(model: MoEModel) -> int:
+    """Weight bytes read to decode one token: everything but the unused experts and embedding."""
+    a = model.args
+    size = model.embed_tokens.weight.element_size()
+    total = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    if a.tie_embeddings:
+        total += model.embed_tokens.weight.numel()
+    expert = 3 * a.hidden_size * a.expert_size
+    total -= a.num_moe_layers * (a.num_experts - a.top_k) * expert
+    return total * size
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_ours(model, prompt, new, device, reps):
+    def run(n):
+        sync(device)
+        t = time.perf_counter()
+        g = generate(model, [prompt], SamplingParams(max_new_tokens=n))[0]
+        sync(device)
+        return time.perf_counter() - t, g.tokens
+    run(4)                                                           # warm-up
+    pre = statistics.median(run(1)[0] for _ in range(reps))
+    full = [run(new) for _ in range(reps)]
+    return pre, statistics.median(t for t, _ in full), full[0][1]
+
+
+def time_hf(model, prompt, new, device, reps):
+    ids = torch.tensor([prompt], device=device)
+
+    def run(n):
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        sync(device)
+        return time.perf_counter() - t, out[0, len(prompt):].tolist()
+    run(4)
+    pre = statistics.median(run(1)[0] for _ in range(reps))
+    full = [run(new) for _ in range(reps)]
+    return pre, statistics.median(t for t, _ in full), full[0][1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF MoE checkpoint dir (default: a random ~0.5 B test shape)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+    args = ap.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    tmp = None
+    path = Path(args.model) if args.model else None
+    if path is None:
+        tmp = tempfile.TemporaryDirectory()
+        path = make_checkpoint(Path(tmp.name) / "moe")
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    bw = copy_bandwidth(args.device)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        ours = load_model(path, dtype=dtype, device=args.device)
+        bound = bw / active_bytes(ours)
+        pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
+        row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
+               "ours_decode": (args.new_tokens - 1) / (full - pre), "bound": bound}
+        del ours
+        if not args.no_hf:
+            import transformers
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(args.device).eval()
+            hpre, hfull, htoks = time_hf(hf, prompt, args.new_tokens, args.device, args.reps)
+            del hf
+            same = sum(a == b for a, b in zip(toks, htoks))
+            row.update(hf_prefill=args.prompt_len / hpre, hf_decode=(args.new_tokens - 1) / (hfull - hpre),
+                       same_tokens=f"{same}/{len(toks)}")
+        rows.append(row)
+    print(f"checkpoint: {path.name}  device: {args.device}  threads: {torch.get_num_threads()}  "
+          f"prompt {args.prompt_len}  new {args.new_tokens}  copy bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"{'dtype':9} {'ours prefill':>13} {'hf prefill':>11} {'ours decode':>12} {'hf decode':>10} "
+          f"{'bw bound':>9} {'same':>6}   (tokens/s)")
+    for r in rows:
+        print(f"{r['dtype']:9} {r['ours_prefill']:13.1f} {r.get('hf_prefill', float('nan')):11.1f} "
+              f"{r['ours_decode']:12.1f} {r.get('hf_decode', float('nan')):10.1f} {r['bound']:9.1f} "
+              f"{r.get('same_tokens', '-'):>6}")
+    if not args.no_hf:
+        print("ratios ours/transformers: " + "  ".join(
+            f"{r['dtype']}: prefill {r['ours_prefill'] / r['hf_prefill']:.2f}x "
+            f"decode {r['ours_decode'] / r['hf_decode']:.2f}x" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
