@@ -65,3 +65,33 @@ def save_hf_checkpoint(family: str, path: Path, seed: int = 0, **over) -> Path:
     model = make_hf_model(family, seed=seed, **over)
     model.save_pretrained(path)
     return Path(path)
+
+
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def save_tiny_agent_checkpoint(path: Path, family: str = "qwen2_moe", vocab: int = 640) -> Path:
+    """A tiny random MoE plus a real byte-level BPE tokenizer and the default chat template:
+    everything `load_policy(path)` needs, made offline."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
+
+    path = Path(path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [Path(__file__).read_text(), DEFAULT_CHAT_TEMPLATE,
+              '<tool_call>\n{"name": "read_file", "arguments": {"path": "calc.py"}}\n</tool_call>'] * 4
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(CHATML), special_tokens=CHATML,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    model = make_hf_model(family, vocab_size=vocab, max_position_embeddings=8192)
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": DEFAULT_CHAT_TEMPLATE, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None}))
+    return path

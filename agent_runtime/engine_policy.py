@@ -1,0 +1,151 @@
+"""`EnginePolicy`: the `Policy` protocol over our MoE engine, tokenizer and chat template.
+
+Renders the conversation with the checkpoint's chat template (one place renders prompts),
+generates with the KV-cached engine, streams decoded text, and returns the token ids, behaviour
+logprobs and expert routes exactly as generated. Weight updates (`swap_state`) wait for the
+model call in flight, so a generation always finishes on the weights it started with. It does
+not parse tool calls (the agent loop does) and never imports the learner.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from agent_runtime.model import MoEModel, load_model, load_tokenizer
+from agent_runtime.model.generate import Generation, SamplingParams, generate
+from agent_runtime.policy import Completion
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
+
+
+def resolve_model_path(spec: str) -> Path:
+    """`"default"` -> the model shipped in the package (or $APPRENTICE_DEFAULT_MODEL); else a path."""
+    if spec == "default":
+        path = Path(os.environ.get("APPRENTICE_DEFAULT_MODEL", DEFAULT_MODEL_DIR))
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"no default model at {path}: this build ships none yet. Pass --model PATH (an HF "
+                "MoE checkpoint directory) or --policy replay:FILE")
+        return path
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
+    return path
+
+
+@dataclass
+class EngineConfig:
+    temperature: float = 0.0                # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 1024              # per model call (capped by the context window)
+    seed: int | None = None                 # None = a fresh seed per call
+    dtype: str | None = None                # None = checkpoint dtype
+    device: str = "cpu"
+
+
+class EnginePolicy:
+    """A checkpoint + tokenizer + chat template, usable by the agent loop and directly."""
+
+    def __init__(self, model: MoEModel, tokenizer: Any, template: Any, name: str,
+                 config: EngineConfig | None = None, version: int = 0):
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.name, self.version = name, version
+        self.config = config or EngineConfig()
+        self.context_window = model.args.max_position
+        self._lock = threading.Lock()
+        specials = getattr(tokenizer, "special_tokens", {}) or {}
+        self.stop_token_ids = sorted({specials[t] for t in END_OF_TURN if t in specials}
+                                     | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+
+    @classmethod
+    def load(cls, spec: str = "default", config: EngineConfig | None = None, version: int = 0,
+             **overrides: Any) -> "EnginePolicy":
+        from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+
+        config = replace(config or EngineConfig(), **overrides)
+        path = resolve_model_path(spec)
+        model = load_model(path, dtype=config.dtype, device=config.device)
+        tokenizer = load_tokenizer(path)
+        try:
+            template = ChatTemplate.from_pretrained(path)
+        except (FileNotFoundError, KeyError, ValueError):
+            template = ChatTemplate(DEFAULT_CHAT_TEMPLATE)
+        return cls(model, tokenizer, template, name=spec, config=config, version=version)
+
+    # -- prompts -------------------------------------------------------------------------
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+    def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        return len(self.render(messages, tools))
+
+    # -- generation ----------------------------------------------------------------------
+    def _params(self, max_new_tokens: int, prompt_len: int, **kw: Any) -> SamplingParams:
+        c = self.config
+        room = self.context_window - prompt_len
+        if room <= 0:
+            raise ValueError(f"prompt of {prompt_len} tokens fills the context window ({self.context_window})")
+        p = SamplingParams(max_new_tokens=min(max_new_tokens, room), temperature=c.temperature,
+                           top_p=c.top_p, top_k=c.top_k, seed=c.seed,
+                           stop_token_ids=self.stop_token_ids)
+        return replace(p, **kw)
+
+    def generate(self, prompt_ids: Sequence[int] | list[Sequence[int]], max_new_tokens: int = 64,
+                 **kw: Any) -> Generation | list[Generation]:
+        """Token ids in, `Generation` out (a list of prompts gives a list)."""
+        batched = bool(prompt_ids) and not isinstance(prompt_ids[0], int)
+        prompts = list(prompt_ids) if batched else [list(prompt_ids)]
+        on_token = kw.pop("on_token", None)
+        should_stop = kw.pop("should_stop", None)
+        params = self._params(max_new_tokens, max(len(p) for p in prompts), **kw)
+        with self._lock:
+            out = generate(self.model, prompts, params, decode=self.tokenizer.decode,
+                           on_token=on_token, should_stop=should_stop)
+        return out if batched else out[0]
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
+                 max_new_tokens: int | None = None, on_text: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> Completion:
+        prompt = self.render(messages, tools)
+        stream = _TextStream(self.tokenizer, set(self.stop_token_ids), on_text)
+        version = self.version
+        gen = self.generate(prompt, max_new_tokens or self.config.max_new_tokens,
+                            on_token=stream.push, should_stop=should_stop)
+        text = self.tokenizer.decode([t for t in gen.tokens if t not in self.stop_token_ids])
+        routes = gen.routes.numpy() if gen.routes is not None else None
+        return Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
+                          logprobs=gen.logprobs, routes=routes, finish_reason=gen.finish_reason,
+                          version=version)
+
+    # -- weight updates ------------------------------------------------------------------
+    def swap_state(self, update: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
+        """Apply `update(state_dict)` in place between model calls and set the new version."""
+        with self._lock, torch.no_grad():
+            update(self.model.state_dict())
+            self.version = version
+
+
+class _TextStream:
+    """Turns streamed token ids into text deltas without splitting UTF-8 characters."""
+
+    def __init__(self, tokenizer: Any, skip: set[int], sink: Callable[[str], None] | None):
+        self.sink, self.skip = sink, skip
+        self.token_bytes = lambda t: tokenizer.decode_bytes([t])
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, row: int, token: int, logprob: float) -> None:
+        if self.sink is None or token in self.skip:
+            return
+        text = self.decoder.decode(self.token_bytes(token))
+        if text:
+            self.sink(text)

@@ -1,0 +1,69 @@
+"""EnginePolicy: the agent's Policy over the real MoE engine, tokenizer and chat template."""
+
+import pytest
+import torch
+
+from agent_runtime.agent import Agent, AgentConfig
+from agent_runtime.policy import load_policy
+from agent_runtime.store import SessionStore
+from tiny_checkpoints import save_tiny_agent_checkpoint
+
+MESSAGES = [{"role": "system", "content": "You are a test."},
+            {"role": "user", "content": "Fix calc.py so that add() adds."}]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    return load_policy(str(path), temperature=1.0, seed=0, max_new_tokens=24)
+
+
+def test_completion_ids_logprobs_and_routes_line_up(policy):
+    c = policy.complete(MESSAGES)
+    assert c.prompt_ids == policy.tokenizer.encode(policy.template.render(MESSAGES, add_generation_prompt=True))
+    assert len(c.logprobs) == len(c.completion_ids) > 0
+    a = policy.model.args
+    assert c.routes.shape == (len(c.prompt_ids) + len(c.completion_ids) - 1, a.num_moe_layers, a.top_k)
+    kept = [t for t in c.completion_ids if t not in policy.stop_token_ids]
+    assert policy.tokenizer.decode(kept) == c.text
+
+
+def test_streamed_text_equals_final_text(policy):
+    chunks = []
+    c = policy.complete(MESSAGES, on_text=chunks.append)
+    assert "".join(chunks) == c.text
+
+
+def test_recorded_routes_replay_the_behaviour_logprobs(policy):
+    c = policy.complete(MESSAGES)
+    ids = torch.tensor([c.prompt_ids + c.completion_ids[:-1]])
+    with torch.no_grad():
+        out = policy.model(ids, routes=torch.from_numpy(c.routes).long()[None])
+    lp = out.logits[0, len(c.prompt_ids) - 1:].log_softmax(-1)
+    lp = lp.gather(-1, torch.tensor(c.completion_ids)[:, None])[:, 0]
+    assert (lp - torch.tensor(c.logprobs)).abs().max().item() < 1e-5
+
+
+def test_swap_state_changes_weights_and_version(policy):
+    before = policy.model.lm_head.weight.clone()
+    policy.swap_state(lambda state: state["lm_head.weight"].mul_(1.5), version=7)
+    assert policy.version == 7
+    assert torch.allclose(policy.model.lm_head.weight, before * 1.5)
+    policy.swap_state(lambda state: state["lm_head.weight"].copy_(before), version=0)
+
+
+def test_agent_loop_on_the_engine_records_samples_that_decode_to_the_text(policy, tmp_path):
+    (tmp_path / "ws").mkdir()
+    store = SessionStore(tmp_path / "home")
+    result = Agent(policy, store=store, workspace=tmp_path / "ws",
+                   config=AgentConfig(max_steps=2)).run("Say hello.")
+    assert result.status == "budget_exhausted"          # random weights never call finish
+    samples = store.samples(result.session_id)
+    assistant = [m for m in store.messages(result.session_id) if m["role"] == "assistant"]
+    assert len(samples) == len(assistant) == 2
+    for s, m in zip(samples, assistant):
+        assert s["message_id"] == m["id"]
+        assert len(s["logprobs"]) == len(s["completion_ids"])
+        assert s["routes"].shape[0] == len(s["prompt_ids"]) + len(s["completion_ids"]) - 1
+        text = policy.tokenizer.decode([t for t in s["completion_ids"] if t not in policy.stop_token_ids])
+        assert m["content"].strip() in text
