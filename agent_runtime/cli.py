@@ -27,7 +27,10 @@ RESULT_LINES = 12                              # lines of a tool result shown in
 def main(ctx: click.Context) -> None:
     """apprentice: a local coding agent whose own MoE model learns from how you use it."""
     if ctx.invoked_subcommand is None:
-        click.echo(ctx.get_help())
+        if "tui" in main.commands:                     # registered by the tui package
+            ctx.invoke(main.commands["tui"])
+        else:
+            click.echo(ctx.get_help())
 
 
 # --- agent runs ----------------------------------------------------------------------------
@@ -368,6 +371,14 @@ def feedback(session_id: str, rating: str, message_id: int | None, reason: str |
     click.echo(f"recorded feedback {row}: {rating} on "
                f"{'message #' + str(message_id) if message_id else 'session'} {sid[:12]}")
 
+
+def _load_plugins() -> None:
+    """Let `learner`, `tui` and third-party plugins add their commands (entry points)."""
+    from agent_runtime.hooks import plugin_manager
+    plugin_manager().hook.register_commands(cli=main)
+
+
+_load_plugins()
 
 if __name__ == "__main__":
     main()
