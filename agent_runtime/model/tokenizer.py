@@ -7,7 +7,8 @@ HF `tokenizers` produces with `add_special_tokens=False`:
 
 - ranks come from the vocab ids when the ids follow the merges order; otherwise they are
   derived from the merges order and mapped back to ids (`Tokenizer.rank_to_id`);
-- the pre-tokenizer regex comes from a `Split` (Isolated) or from `ByteLevel(use_regex=True)`;
+- the pre-tokenizer regex comes from a `Split` (Isolated), from `ByteLevel(use_regex=True)`,
+  or from `Digits` followed by `ByteLevel(use_regex=True)` (starcoder2, granite);
 - added tokens are matched the way HF does (leftmost-longest, `lstrip`/`rstrip`/`single_word`,
   `normalized` tokens matched after normalization); non-special added tokens are always
   matched, special ones only with `encode(..., special=True)` (HF's `split_special_tokens`);
@@ -38,6 +39,8 @@ CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 # The regex HF's ByteLevel pre-tokenizer uses with use_regex=True (GPT-2's).
 GPT2_PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# GPT-2's regex on text whose numbers are already split off: whitespace ends before a number.
+_GPT2_BETWEEN_DIGITS = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 # Qwen2's split regex: the default for a bare .tiktoken file without a sidecar.
 DEFAULT_PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
                    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
@@ -205,7 +208,7 @@ class Tokenizer:
 
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
         """The bytes of `ids`; ids outside the vocabulary decode to nothing, as in HF."""
-        ids = list(ids)
+        ids = list(map(int, ids))
         table, n = self._id_to_bytes, len(self._id_to_bytes)
         if skip_special:
             ids = [i for i in ids if i not in self._special_ids]
@@ -277,6 +280,11 @@ def _pat_str(pre: dict | None) -> str:
     *splits, byte_level = steps
     if byte_level.get("add_prefix_space"):
         raise ValueError("ByteLevel pre-tokenizer with add_prefix_space=True is not supported")
+    if [s.get("type") if s else None for s in splits] == ["Digits"] and \
+            byte_level.get("use_regex", True):
+        # starcoder2/granite: numbers are split off first, then GPT-2's regex runs on the rest
+        digits = r"\p{N}" if splits[0].get("individual_digits") else r"\p{N}+"
+        return f"{digits}|{_GPT2_BETWEEN_DIGITS}"
     regexes = [GPT2_PAT_STR] if byte_level.get("use_regex", True) else []
     for step in splits:
         if step.get("type") != "Split":
