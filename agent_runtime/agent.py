@@ -205,9 +205,11 @@ class Agent:
             raise Cancelled("cancelled by the user")
         if self.steps >= self.config.max_steps:
             raise BudgetExhausted(f"the step budget of {self.config.max_steps} is spent")
-        if self.context.should_summarize(self.policy, self.schemas):
+        used = self.policy.count_tokens(self.context.messages, self.schemas)
+        if self.context.should_summarize(used, self.policy.context_window):
             self.summarize()
-        self.context.check_fits(self.policy, self.schemas)
+            used = self.policy.count_tokens(self.context.messages, self.schemas)
+        self.context.check_fits(used, self.policy)
         self.steps += 1
         completion = self.policy.complete(
             self.context.messages, self.schemas, max_new_tokens=self.config.max_new_tokens,

@@ -71,20 +71,17 @@ class Context:
         self.turns.append(message)
         self.fresh = False
 
-    def should_summarize(self, policy: Policy, tools: list[dict] | None) -> bool:
-        """True when the next prompt reaches the threshold and a restart can still help."""
-        if self.fresh:                         # just restarted: summarizing again cannot shrink it
-            return False
-        used = policy.count_tokens(self.messages, tools)
-        return used >= self.config.summarize_at * policy.context_window
+    def should_summarize(self, used: int, window: int) -> bool:
+        """True when a prompt of `used` tokens reaches the threshold and a restart can help."""
+        # just restarted: summarizing again cannot make the context any smaller
+        return not self.fresh and used >= self.config.summarize_at * window
 
-    def check_fits(self, policy: Policy, tools: list[dict] | None) -> int:
-        """The prompt's token count; `ContextOverflow` when it does not fit the window at all."""
-        used = policy.count_tokens(self.messages, tools)
+    @staticmethod
+    def check_fits(used: int, policy: Policy) -> None:
+        """`ContextOverflow` when a prompt of `used` tokens does not fit the window at all."""
         if used >= policy.context_window:
             raise ContextOverflow(f"the prompt needs {used} tokens but the context window of "
                                   f"{policy.name} is {policy.context_window}")
-        return used
 
     def summary_request(self, policy: Policy) -> list[dict]:
         """The messages that ask for a summary, oldest turns elided until they fit."""
