@@ -97,7 +97,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     if total > model.args.max_position:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({p.max_new_tokens}) exceeds the "
                          f"context window ({model.args.max_position})")
-    gen = torch.Generator().manual_seed(p.seed if p.seed is not None else int(torch.randint(2**62, ())))
+    gen = torch.Generator(device=dev).manual_seed(p.seed if p.seed is not None else int(torch.randint(2**62, ())))
     cache = model.new_cache(B, total)
     out = model(ids, cache=cache, attention_mask=mask if ragged else None, logits_to_keep=1)
     route_chunks = [out.routes.to(_route_dtype(model)).cpu()] if out.routes is not None else []

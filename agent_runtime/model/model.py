@@ -256,9 +256,16 @@ class MoEModel(nn.Module):
         return KVCache(self.args, batch, max_len, self.dtype, self.embed_tokens.weight.device)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.float()      # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin [B, T, D] for these positions, from a table built once per dtype/device."""
+        key = (dtype, self.inv_freq.device, self.inv_freq.data_ptr())
+        if getattr(self, "_rope_key", None) != key:
+            pos = torch.arange(self.args.max_position, device=self.inv_freq.device).float()
+            freqs = pos[:, None] * self.inv_freq.float()                   # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_table = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._rope_key = key
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
 
     def forward(self, input_ids: torch.Tensor, routes: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None,
@@ -268,6 +275,8 @@ class MoEModel(nn.Module):
         a = self.args
         B, T = input_ids.shape
         past = cache.pos if cache is not None else 0
+        if past + T > a.max_position:
+            raise ValueError(f"{past + T} tokens exceed the context window ({a.max_position})")
         if cache is not None and past + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + T} tokens > cache length {cache.max_len}")
         valid = attention_mask.bool() if attention_mask is not None else None
