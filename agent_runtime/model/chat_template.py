@@ -130,10 +130,13 @@ class ChatTemplate:
         if not templates:
             raise ValueError(f"{path}: no chat template (no {CHAT_TEMPLATE_FILE} and no "
                              "chat_template in tokenizer_config.json)")
-        legacy = _read_json(path / "special_tokens_map.json")
+        # transformers lets a legacy special_tokens_map.json override the config's tokens,
+        # unless the config lists added_tokens_decoder (then the legacy file is not read).
+        legacy = {} if "added_tokens_decoder" in config else \
+            _read_json(path / "special_tokens_map.json")
         special = {}
         for key in SPECIAL_TOKEN_KEYS:
-            value = _token_text(config.get(key, legacy.get(key)))
+            value = _token_text(legacy.get(key) or config.get(key))
             if value is not None:
                 special[key] = value
         extra = config.get("extra_special_tokens")
