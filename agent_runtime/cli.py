@@ -167,6 +167,9 @@ class Transcript:
         if len(lines) > RESULT_LINES:
             shown += f"\n  … ({len(lines) - RESULT_LINES} more lines)"
         click.secho(shown, fg=None if outcome.ok else "red", dim=outcome.ok)
+        for line in (outcome.data.get("diff") or "").splitlines()[2:RESULT_LINES * 2]:
+            color = {"+": "green", "-": "red", "@": "cyan"}.get(line[:1])
+            click.secho("  " + line, fg=color)
 
     def on_summarize(self, segment: int, summary: str) -> None:
         if self.as_json:

@@ -124,6 +124,19 @@ def test_cancel_stops_the_run_before_the_next_model_call(store, workspace):
     assert store.get_session(result.session_id)["status"] == "cancelled"
 
 
+def test_cancel_mid_turn_records_the_calls_that_did_not_run(store, workspace):
+    log = []
+    tools = [Sleepy("poke", True, log, 0.01), *default_tools()]
+    agent = Agent(ReplayPolicy([call("poke", tag="1") + call("poke", tag="2"), FINISH]), tools,
+                  store, workspace)
+    agent.callbacks = Callbacks(on_tool_start=lambda c: agent.cancel())
+    result = agent.run("task")
+    assert result.status == "cancelled" and [t for t, *_ in log] == ["1"]
+    rows = store.tool_calls(result.session_id)
+    assert [(r["ok"], r["result"][:7]) for r in rows] == [(True, "slept 1"), (False, "Not run")]
+    assert len(tool_messages(store, result.session_id)) == 2
+
+
 def test_read_only_calls_of_one_turn_run_concurrently(store, workspace):
     log = []
     tools = [Sleepy("nap", False, log), *default_tools()]
