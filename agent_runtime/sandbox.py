@@ -49,32 +49,20 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass
 class SandboxConfig:
-    mode: str = field(default_factory=lambda: os.environ.get("APPRENTICE_SANDBOX", "auto"))
-    """"auto": bubblewrap when it works, else unsandboxed with a warning; "off": never
-    sandbox (still warns); "require": raise SandboxUnavailable instead of falling back.
-    Defaults to $APPRENTICE_SANDBOX, else "auto"."""
-    timeout: float = 120.0
-    """Seconds a command may run when the caller gives no timeout."""
-    max_timeout: float = 600.0
-    """Upper bound on any requested timeout, in seconds."""
-    output_cap: int = 30_000
-    """Bytes of output returned; past it, the first and last halves are kept."""
-    full_output_cap: int = 64 * 2**20
-    """Most bytes of a truncated command's output saved to the session folder."""
-    memory_limit: int | None = 8 * 2**30
-    """Address-space limit (RLIMIT_AS) of each process, in bytes; None for no limit."""
-    max_processes: int | None = 1024
-    """Most processes (cgroup: tasks) a command may have alive at once; None for no limit."""
-    writable_paths: tuple[str, ...] = ()
-    """Extra host paths the sandbox may write to, besides the workspace and its /tmp."""
-    network: bool = False
-    """Give sandboxed commands the host's network. Off: only a private loopback."""
-    bwrap: str = "bwrap"
-    """The bubblewrap executable (name on PATH, or a path)."""
-    shell: str | None = None
-    """Shell that runs commands (`SHELL -c COMMAND`); default bash, else sh."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for commands (on top of the minimal environment)."""
+    # "auto": bubblewrap when it works, else unsandboxed with a warning; "off": never sandbox
+    # (still warns); "require": raise SandboxUnavailable instead. Default: $APPRENTICE_SANDBOX.
+    mode: str = field(default_factory=lambda: os.environ.get("APPRENTICE_SANDBOX") or "auto")
+    timeout: float = 120.0                 # seconds a command may run when no timeout is given
+    max_timeout: float = 600.0             # upper bound on any requested timeout, seconds
+    output_cap: int = 30_000               # bytes of output returned; past it, head + tail halves
+    full_output_cap: int = 64 * 2**20      # most bytes of a truncated output saved to a file
+    memory_limit: int | None = 8 * 2**30   # address space (RLIMIT_AS) per process, bytes
+    max_processes: int | None = 1024       # processes (cgroup: tasks) alive at once per command
+    writable_paths: tuple[str, ...] = ()   # host paths writable besides workspace and /tmp
+    network: bool = False                  # share the host network (off: private loopback only)
+    bwrap: str = "bwrap"                   # bubblewrap executable, on PATH or a path
+    shell: str | None = None               # runs `SHELL -c COMMAND`; default bash, else sh
+    env: dict[str, str] = field(default_factory=dict)   # extra environment for commands
 
 
 @dataclass
@@ -267,9 +255,10 @@ class Sandbox:
         finally:
             _kill_group(proc.pid)
             _remove_cgroup(cgroup)
-            _drain(proc, out)
+            _read_available(proc.stdout.fileno(), out)
+            proc.stdout.close()
             proc.wait()
-            started = _read_nonblocking(started_r)
+            started = _read_available(started_r, limit_s=0.1)
             os.close(started_r)
             out.close()
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
@@ -364,64 +353,42 @@ def _pump(proc: subprocess.Popen, out: _Output, deadline: float) -> bool:
     children keep the pipe open, a short grace period after the exit), or the deadline.
     Returns True when the deadline passed. Never reaps the child."""
     fd = proc.stdout.fileno()
-    exited_at = None
-    eof = False
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        pidfd = None
+    exited_at, eof = None, False
     with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ, "out")
-        if pidfd is not None:
-            sel.register(pidfd, selectors.EVENT_READ, "exit")
-        try:
-            while True:
-                now = time.monotonic()
-                if exited_at is None and _has_exited(proc.pid):
-                    exited_at = now
-                    if pidfd is not None:
-                        sel.unregister(pidfd)
-                if exited_at is not None and (eof or now - exited_at > _EXIT_GRACE_S):
-                    return False
-                if now >= deadline:
-                    return True
-                wait = deadline - now
-                if exited_at is not None:
-                    wait = min(wait, _EXIT_GRACE_S / 4)
-                elif pidfd is None:
-                    wait = min(wait, 0.05)
-                for key, _ in sel.select(wait):
-                    if key.data != "out":
-                        continue
-                    data = os.read(fd, 1 << 16)
-                    if data:
-                        out.feed(data)
-                    else:
-                        eof = True
-                        sel.unregister(fd)
-                if eof and not sel.get_map():
-                    time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-
-
-def _drain(proc: subprocess.Popen, out: _Output) -> None:
-    """After the kill: whatever is still buffered in the pipe, without blocking."""
-    fd = proc.stdout.fileno()
-    os.set_blocking(fd, False)
-    deadline = time.monotonic() + 1.0
-    try:
-        while time.monotonic() < deadline:
-            try:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            now = time.monotonic()
+            if exited_at is None and _has_exited(proc.pid):
+                exited_at = now
+            if exited_at is not None and (eof or now - exited_at > _EXIT_GRACE_S):
+                return False
+            if now >= deadline:
+                return True
+            wait = min(deadline - now, 0.05 if eof or exited_at is not None else 0.25)
+            if eof:                    # output closed early; wait for the exit itself
+                time.sleep(wait)
+            elif sel.select(wait):
                 data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not data:
-                break
+                out.feed(data)
+                eof = not data
+
+
+def _read_available(fd: int, out: _Output | None = None, limit_s: float = 1.0) -> bytes:
+    """Whatever is already in the pipe, without blocking (fed to `out` when given)."""
+    os.set_blocking(fd, False)
+    got, deadline = b"", time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            break
+        if not data:
+            break
+        if out is not None:
             out.feed(data)
-    finally:
-        proc.stdout.close()
+        else:
+            got += data
+    return got
 
 
 def _has_exited(pid: int) -> bool:
@@ -433,32 +400,29 @@ def _has_exited(pid: int) -> bool:
 
 
 def _kill_group(pgid: int) -> None:
+    _quietly(os.killpg, pgid, signal.SIGKILL)
+
+
+def _quietly(fn, *args) -> None:
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        fn(*args)
+    except OSError:           # already gone, not ours any more
         pass
 
 
-def _read_nonblocking(fd: int) -> bytes:
-    os.set_blocking(fd, False)
-    try:
-        return os.read(fd, 16)
-    except BlockingIOError:
-        return b""
-
-
 def _count_own_processes() -> int:
-    uid, n = os.getuid(), 0
+    uid = os.getuid()
     try:
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                try:
-                    n += entry.stat().st_uid == uid
-                except OSError:
-                    pass
+        return sum(1 for e in os.scandir("/proc") if e.name.isdigit() and _owner(e) == uid)
     except OSError:
         return 4096
-    return n
+
+
+def _owner(entry: os.DirEntry) -> int | None:
+    try:
+        return entry.stat().st_uid
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------- pids cgroup
@@ -482,28 +446,19 @@ def _find_pids_cgroup_root() -> Path | None:
         mounts = Path("/proc/self/mounts").read_text().splitlines()
     except OSError:
         return None
-    candidates = []
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        mnt, fstype, opts = parts[1], parts[2], parts[3].split(",")
-        if fstype == "cgroup2" or (fstype == "cgroup" and "pids" in opts):
-            candidates.append(Path(mnt))
+    fields = [line.split() for line in mounts]
+    candidates = [Path(f[1]) for f in fields if len(f) > 3 and (
+        f[2] == "cgroup2" or (f[2] == "cgroup" and "pids" in f[3].split(",")))]
     for root in candidates:
         probe = root / f"apprentice-probe-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             probe.mkdir()
         except OSError:
             continue
-        try:
-            if (probe / "pids.max").exists():
-                return root
-        finally:
-            try:
-                probe.rmdir()
-            except OSError:
-                pass
+        usable = (probe / "pids.max").exists()
+        _quietly(probe.rmdir)
+        if usable:
+            return root
     return None
 
 
@@ -541,14 +496,8 @@ def _remove_cgroup(path: Path | None) -> None:
                 time.sleep(0.01)      # exiting tasks still charged; try again
                 continue
         if kill_file.exists():
-            try:
-                kill_file.write_text("1")
-            except OSError:
-                pass
+            _quietly(kill_file.write_text, "1")
         for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+            _quietly(os.kill, pid, signal.SIGKILL)
         time.sleep(0.005)
     log.debug("cgroup %s not removed", path)

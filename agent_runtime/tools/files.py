@@ -9,7 +9,6 @@ track undo history; the session store and the UI own that.
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -168,7 +167,7 @@ class WriteFile:
             data["diff"] = unified_diff(old, content, shown)
         elif created:
             data["diff"] = unified_diff("", content, shown)
-        return ToolResult(f"{verb} {shown} ({n_lines} lines).", data)
+        return ToolResult(f"{verb} {shown} ({n_lines} line{'s' * (n_lines != 1)}).", data)
 
 
 class EditFile:

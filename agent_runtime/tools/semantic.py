@@ -43,6 +43,7 @@ K1, B = 1.2, 0.75             # BM25 parameters
 RRF_K = 60                    # reciprocal rank fusion constant
 EMBED_BATCH = 64
 EMBED_CHARS = 2000
+EMBED_BUDGET_S = 10.0         # most seconds one query spends embedding new chunks
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -212,14 +213,20 @@ class SemanticIndex:
             if full or self._needs_full or not watching or now - self._last_full > FULL_RESCAN_S:
                 self._needs_full = False
                 self._last_full = now
-                changed = self._full_scan()
-                changed += self._refresh(dirty, force=True)
+                changed = self._full_scan() + self._refresh(dirty)
             else:
-                changed = self._refresh(dirty, force=True)
+                changed = self._refresh(dirty)
             if changed:
                 self._dense = None
             self._embed_missing()
             return changed
+
+    def pending_embeddings(self) -> int:
+        """Chunks still waiting for a vector (0 without an embedding model)."""
+        if self.embedder is None:
+            return 0
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM chunks WHERE embedding IS NULL").fetchone()[0]
 
     def _stored(self) -> dict[str, tuple[int, int, str]]:
         return {p: (m, s, h) for p, m, s, h in self._db.execute("SELECT path, mtime_ns, size, sha1 FROM files")}
@@ -247,7 +254,7 @@ class SemanticIndex:
             changed += 1
         return changed
 
-    def _refresh(self, dirty: set[Path], force: bool) -> int:
+    def _refresh(self, dirty: set[Path]) -> int:
         stored = self._stored() if dirty else {}
         changed = 0
         for p in dirty:
@@ -267,9 +274,8 @@ class SemanticIndex:
                     self._drop(rel)
                     changed += 1
                 continue
-            old = stored.get(rel)
-            if force or old is None or old[:2] != (st.st_mtime_ns, st.st_size):
-                changed += self._reindex(real, rel, st, old[2] if old else None)
+            old = stored.get(rel)      # reported changed: compare by content, not mtime
+            changed += self._reindex(real, rel, st, old[2] if old else None)
         return changed
 
     def _reindex(self, path: Path, rel: str, st: os.stat_result, old_sha: str | None) -> int:
@@ -310,10 +316,13 @@ class SemanticIndex:
             self._delete_chunks(rel)
             self._db.execute("DELETE FROM files WHERE path = ?", (rel,))
 
-    def _embed_missing(self) -> None:
+    def _embed_missing(self, budget_s: float = EMBED_BUDGET_S) -> None:
+        """Embed chunks that have no vector yet, for at most `budget_s` seconds (a big
+        workspace is embedded over several queries; until then BM25 alone ranks the rest)."""
         if self.embedder is None:
             return
-        while True:
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
             rows = self._db.execute("SELECT id, path, name, text FROM chunks WHERE embedding IS NULL "
                                     "LIMIT ?", (EMBED_BATCH,)).fetchall()
             if not rows:
