@@ -220,8 +220,9 @@ class Agent:
         if any(c.name is not None for c in calls):
             message["tool_calls"] = [c.as_message_call() for c in calls if c.name is not None]
         with self.store.transaction():
-            message_id = self._append(message, notify=False)
+            message_id = self._record(message)
             sample_id = self._add_sample(completion, message_id, self.context.segment)
+        self.context.append(message)
         self._notify(message_id, message, sample_id, completion)
         if completion.finish_reason == "cancelled":
             raise Cancelled("cancelled by the user")
@@ -322,7 +323,8 @@ class Agent:
         with self.store.transaction():
             self.store.finish_tool_call(row, outcome.text, outcome.ok, outcome.duration_s,
                                         outcome.data or None)
-            message_id = self._append(message, notify=False)
+            message_id = self._record(message)
+        self.context.append(message)
         self._notify(message_id, message)
         if self.callbacks.on_tool_end:
             self.callbacks.on_tool_end(call, outcome)
@@ -347,12 +349,11 @@ class Agent:
             tool_call_id=message.get("tool_call_id"), name=message.get("name"),
             meta={"kind": kind} if kind else None)
 
-    def _append(self, message: dict, notify: bool = True) -> int:
+    def _append(self, message: dict) -> int:
         """Record a message, then add it to the context (in that order)."""
         message_id = self._record(message)
         self.context.append(message)
-        if notify:
-            self._notify(message_id, message)
+        self._notify(message_id, message)
         return message_id
 
     def _notify(self, message_id: int, message: dict, sample_id: int | None = None,
