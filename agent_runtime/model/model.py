@@ -55,7 +55,10 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
-UPCAST_ROWS = 8  # CPU bf16/fp16 matmuls with at least this many rows run in fp32
+UPCAST_ROWS = 8  # CPU bf16/fp16 matmuls with at least this many rows run in fp32 ...
+# ... on CPUs without native half-precision matmul units (AVX2 and older); AVX-512 CPUs
+# (AVX512-BF16, AMX) run bf16 GEMMs natively and faster than fp32.
+UPCAST_CPU = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "ZVECTOR", "VSX")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,7 +66,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     fp32: CPUs without native bf16 FMA run fp32 GEMMs several times faster, and the result
     (fp32 accumulation, rounded once) is what a bf16 GEMM computes anyway. One-row decode
     stays in bf16, where reading half the bytes is what matters."""
-    if w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" \
+    if UPCAST_CPU and w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" \
             and x.numel() >= UPCAST_ROWS * x.shape[-1]:
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     return F.linear(x, w, b)
