@@ -438,7 +438,18 @@ def _pids_cgroup_root() -> Path | None:
     with _cgroup_lock:
         if _cgroup_root is False:
             _cgroup_root = _find_pids_cgroup_root()
+            if _cgroup_root is not None:
+                _sweep_stale_cgroups(_cgroup_root)
         return _cgroup_root
+
+
+def _sweep_stale_cgroups(root: Path) -> None:
+    """Remove the empty cgroups of runtimes that died without cleaning up (killed, crashed).
+    Processes are never killed here: a cgroup's creator may live in another pid namespace."""
+    for d in root.glob("apprentice-*-*"):
+        pid = d.name.split("-")[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _quietly(d.rmdir)      # fails (EBUSY) while it still holds processes
 
 
 def _find_pids_cgroup_root() -> Path | None:
