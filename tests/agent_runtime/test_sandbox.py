@@ -237,3 +237,19 @@ def test_env_var_switches_the_sandbox_off(workspace, monkeypatch):
     sb = Sandbox(workspace)
     assert sb.probe() is False and sb.warning
     sb.close()
+
+
+def test_sandbox_failure_after_probe_reruns_unsandboxed_with_warning(workspace, tmp_path, caplog):
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    sb = Sandbox(workspace, SandboxConfig(mode="auto", writable_paths=(str(extra),)))
+    if not sb.probe():
+        pytest.skip(f"bubblewrap cannot run here: {sb.warning}")
+    extra.rmdir()                                  # bwrap can no longer set up its mounts
+    with caplog.at_level(logging.WARNING, logger="agent_runtime.sandbox"):
+        res = sb.run("echo ran")
+    assert res.output == "ran\n" and res.exit_code == 0 and not res.sandboxed
+    assert res.warning and "bubblewrap stopped working" in res.warning
+    assert not sb.sandboxed and sb.warning == res.warning
+    assert any("WITHOUT a sandbox" in r.getMessage() for r in caplog.records)
+    sb.close()
