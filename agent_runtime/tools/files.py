@@ -35,6 +35,8 @@ def _read_text(path: Path, shown: str, tool: str) -> str:
         raise ToolError(f"{tool}: `{shown}` does not exist")
     if path.is_dir():
         raise ToolError(f"{tool}: `{shown}` is a directory; use list_files to see its contents")
+    if not path.is_file():
+        raise ToolError(f"{tool}: `{shown}` is not a regular file")
     size = path.stat().st_size
     if size > MAX_EDIT_BYTES:
         raise ToolError(f"{tool}: `{shown}` is too large to edit ({size:,} bytes)")
@@ -76,6 +78,8 @@ class ReadFile:
             raise ToolError(f"read_file: `{shown}` does not exist; list_files shows what is there")
         if path.is_dir():
             raise ToolError(f"read_file: `{shown}` is a directory; use list_files to see its contents")
+        if not path.is_file():
+            raise ToolError(f"read_file: `{shown}` is not a regular file (a pipe or device)")
         size = path.stat().st_size
         if paths.is_binary(paths.sniff(path)):
             return ToolResult(f"[`{shown}` is a binary file ({size:,} bytes); not shown]",

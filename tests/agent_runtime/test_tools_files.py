@@ -148,3 +148,10 @@ def test_edit_binary_file_is_refused(ctx):
     (ctx.workspace / "b.bin").write_bytes(b"a\x00b")
     with pytest.raises(ToolError, match="binary"):
         EditFile()({"path": "b.bin", "old": "a", "new": "b"}, ctx)
+
+
+def test_read_fifo_is_refused_without_blocking(ctx):
+    import os
+    os.mkfifo(ctx.workspace / "pipe")
+    with pytest.raises(ToolError, match="not a regular file"):
+        ReadFile()({"path": "pipe"}, ctx)
