@@ -152,6 +152,8 @@ class WriteFile:
         content = args["content"]
         if path.is_dir():
             raise ToolError(f"write_file: `{shown}` is a directory")
+        if path.exists() and not path.is_file():
+            raise ToolError(f"write_file: `{shown}` is not a regular file")
         old = None
         if path.exists() and path.stat().st_size <= MAX_EDIT_BYTES:
             data = path.read_bytes()
