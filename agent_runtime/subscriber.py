@@ -12,7 +12,8 @@ Not here: publishing and serving versions (learner), recording the version on sa
 loop reads `.version` after each swap).
 
 `python -m agent_runtime.subscriber --connect URL --init STATE.safetensors` runs a headless
-follower that prints `swapped VERSION SHA256 TIME` on each swap (tests and bench/sync.py).
+follower that prints `at VERSION SHA256 TIME` whenever its version changes (tests and
+bench/sync.py use it).
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ def _error_message(body: bytes) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Headless follower: load a state, follow a server, print each swap."""
+    """Headless follower: load a state, follow a server, print `at VERSION SHA256 TIME`."""
     import argparse
 
     from safetensors.torch import load_file
@@ -302,16 +303,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verify", action="store_true", help="rehash the weights after a swap")
     parser.add_argument("--backoff-max", type=float, default=SubscriberConfig.backoff_max_s,
                         help="longest wait between retries, seconds")
+    parser.add_argument("--snapshots", action="store_true",
+                        help="always fetch full snapshots, never deltas (benchmarks)")
     args = parser.parse_args(argv)
     state = load_file(args.init)
-    config = SubscriberConfig(backoff_max_s=args.backoff_max)
+    config = SubscriberConfig(backoff_max_s=args.backoff_max,
+                              snapshot_after=0 if args.snapshots else SubscriberConfig.snapshot_after)
     sub = Subscriber(state, args.connect, args.token, config).start()
-    print(f"ready {os.getpid()}", flush=True)
+    shown = None
     while True:
-        version = sub.maybe_swap()
-        if version is not None:
+        sub.maybe_swap()
+        if sub.version != shown:
+            shown = sub.version
             sha = delta.state_sha256(state) if args.verify else sub.sha256
-            print(f"swapped {version} {sha} {time.time():.6f}", flush=True)
+            print(f"at {shown} {sha} {time.time():.6f}", flush=True)
         time.sleep(args.interval)
 
 

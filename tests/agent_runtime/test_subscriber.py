@@ -176,14 +176,14 @@ def kill(proc: subprocess.Popen) -> None:
 
 
 class Runtime:
-    """A headless runtime process following the server; remembers its last swap."""
+    """A headless runtime process following the server; `at` is its (version, sha256)."""
 
     def __init__(self, url: str, init: Path):
         self.url, self.init = url, init
         self.start()
 
     def start(self) -> None:
-        self.swapped: tuple[int, str] | None = None
+        self.at: tuple[int, str] | None = None
         self.proc = spawn(["-m", "agent_runtime.subscriber", "--connect", self.url,
                            "--init", str(self.init), "--interval", "0.02", "--verify",
                            "--backoff-max", "0.5"])
@@ -191,10 +191,10 @@ class Runtime:
 
     def _read(self, proc) -> None:
         for line in proc.stdout:
-            if line.startswith("swapped "):
+            if line.startswith("at ") and not line.startswith("at None"):
                 _, version, sha, _ = line.split()
                 if proc is self.proc:
-                    self.swapped = (int(version), sha)
+                    self.at = (int(version), sha)
 
 
 class Processes:
@@ -240,8 +240,8 @@ def start_runtimes(procs, url, store, n=4) -> list[Runtime]:
 
 def converge(runtimes: list[Runtime], store: VersionStore, version: int, timeout=60) -> None:
     expected = (version, store.info(version).sha256)
-    wait_until(lambda: all(r.swapped == expected for r in runtimes), timeout,
-               f"all runtimes at v{version}: {[r.swapped and r.swapped[0] for r in runtimes]}")
+    wait_until(lambda: all(r.at == expected for r in runtimes), timeout,
+               f"all runtimes at v{version}: {[r.at and r.at[0] for r in runtimes]}")
 
 
 def test_four_runtime_processes_converge_after_each_of_ten_versions(store, server, procs):
@@ -251,7 +251,7 @@ def test_four_runtime_processes_converge_after_each_of_ten_versions(store, serve
         state = next_state(state, 100 + i)
         version = store.publish(state)
         converge(runtimes, store, version)
-    assert len({r.swapped for r in runtimes}) == 1
+    assert len({r.at for r in runtimes}) == 1
 
 
 def test_killed_runtime_and_killed_server_recover_and_converge(store, procs):
