@@ -40,7 +40,8 @@ class Runtime:
     def __init__(self, url: str, init: Path, snapshots: bool):
         args = [sys.executable, "-m", "agent_runtime.subscriber", "--connect", url,
                 "--init", str(init), "--interval", "0.005"] + (["--snapshots"] if snapshots else [])
-        env = dict(os.environ, APPRENTICE_TOKEN=TOKEN, PYTHONPATH=str(REPO))
+        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, APPRENTICE_TOKEN=TOKEN, PYTHONPATH=path)
         self.proc = subprocess.Popen(args, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                                      start_new_session=True)
         self.at: dict[int, float] = {}                # version -> time it was swapped in

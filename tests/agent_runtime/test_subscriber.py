@@ -163,7 +163,8 @@ def test_wrong_token_never_swaps(store, server):
 # ----------------------------------------------------------------- real processes
 
 def spawn(args: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, APPRENTICE_TOKEN=TOKEN, PYTHONPATH=str(REPO))
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, APPRENTICE_TOKEN=TOKEN, PYTHONPATH=path)
     return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
