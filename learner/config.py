@@ -1,0 +1,98 @@
+"""Configuration of the GRPO learner: one dataclass per component, every field documented.
+
+`LossConfig` (the GRPO objective), `OptimConfig` (AdamW), `TrainerConfig` (training forward,
+publishing, checkpoints), `RolloutConfig` (how episodes are generated) and `PipelineConfig`
+(scheduling of rollouts against training). `RunConfig` only groups them for one run. Nothing
+here runs anything; defaults follow the issue (G = 8, eps 0.2 / 0.28, staleness 2, replay on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any
+
+
+@dataclass
+class LossConfig:
+    eps_low: float = 0.2            # ratio clipped below at 1 - eps_low (negative advantages)
+    eps_high: float = 0.28          # ratio clipped above at 1 + eps_high (DAPO clip-higher)
+    ratio_cap: float = 3.0          # importance ratio vs behaviour truncated at this (dual clip):
+                                    # bounds the push on tokens the policy now likes far more
+    normalize_std: bool = False     # divide group-centred rewards by the group's std
+    kl_coef: float = 0.0            # weight of a k3 KL penalty to the initial weights (0 = off,
+                                    # and no reference model is kept)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6                # AdamW learning rate (constant)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates
+    eps: float = 1e-8               # AdamW denominator epsilon
+    weight_decay: float = 0.0       # decoupled weight decay
+    grad_clip: float = 1.0          # max global gradient norm (0 = no clipping)
+
+
+@dataclass
+class TrainerConfig:
+    loss: LossConfig = field(default_factory=LossConfig)      # the GRPO objective
+    optim: OptimConfig = field(default_factory=OptimConfig)   # the optimizer
+    router_replay: bool = True      # force the recorded expert choices in the training forward
+    temperature: float = 1.0        # temperature the rollouts sample at; training logprobs are
+                                    # recomputed under it (0 = greedy rollouts, logprobs at 1)
+    publish_dtype: str = "bfloat16" # dtype of published policy versions (masters stay fp32)
+    checkpoint_every: int = 1       # write a resumable checkpoint every N steps
+    keep_checkpoints: int = 2       # newest checkpoints kept on disk
+    device: str = "cpu"             # where the fp32 master model trains
+    seed: int = 0                   # torch seed at the start of a fresh run
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8             # G: episodes per task, compared with each other
+    concurrency: int = 8            # episodes of a group in flight at once
+    max_new_tokens: int = 512       # per model call
+    max_steps: int = 20             # model calls per episode (agent tasks)
+    dtype: str = "bfloat16"         # dtype of the rollout policies' weights
+    workers: int = 1                # rollout workers, each with its own policy copy (async only)
+    top_p: float = 1.0              # must stay 1: training logprobs ignore nucleus filtering
+    top_k: int = 0                  # must stay 0: training logprobs ignore top-k filtering
+
+
+@dataclass
+class PipelineConfig:
+    mode: str = "async"             # "async": rollouts overlap training; "sync": alternate
+    steps: int = 100                # optimizer steps of the whole run (a resumed run counts on)
+    groups_per_step: int = 4        # task groups in one training batch
+    max_staleness: int = 2          # samples older than newest version - this are dropped
+    queue_groups: int = 0           # finished groups waiting for the trainer (0 = groups_per_step)
+    torch_threads: int = 0          # torch intra-op threads for the process (0 = leave as is)
+    seed: int = 0                   # task order and sampling seeds
+
+
+@dataclass
+class RunConfig:
+    model: str = "default"          # checkpoint directory or "default"
+    tasks: str = "sim"              # task family: "sim" (learner.tasks) or "toy" (parity)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)    # see TrainerConfig
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)    # see RolloutConfig
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig) # see PipelineConfig
+
+
+def to_dict(config: Any) -> dict:
+    """A JSON-ready dict of a (nested) config dataclass."""
+    return asdict(config)
+
+
+def from_dict(cls: type, data: dict) -> Any:
+    """Rebuild a (nested) config dataclass from `to_dict` output; unknown keys are ignored."""
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            value = from_dict(f.default_factory, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
