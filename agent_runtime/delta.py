@@ -1,10 +1,12 @@
 """Lossless weight deltas between two state dicts: the one codec the learner and runtimes share.
 
-A delta lists, per changed tensor, the changed positions and their *new* values (never
-arithmetic differences, so nothing can drift), or a dense XOR against the base when that is
-smaller. Tensors are cut into blocks of `BLOCK_BYTES`; each changed block becomes one section,
-encoded as the smallest of: sparse positions (gap-coded), a bitmap of positions, or a dense
-XOR, byte-planed and zstd-compressed. Any dtype of 1, 2, 4 or 8 bytes works (bf16 first).
+A delta lists, per changed tensor, the changed positions and the values there: the new words
+themselves or their XOR with the base words, whichever compresses smaller. Both are exact bit
+operations, never arithmetic differences, so nothing can drift, and the base hash check means
+a delta only ever applies to the one state it was made from. Tensors are cut into blocks of
+`BLOCK_BYTES`; each changed block becomes one section, encoded as the smallest of: sparse
+positions (gap-coded), a bitmap of positions, or (once half the block changed) a dense XOR;
+all byte-planed and zstd-compressed. Any dtype of 1, 2, 4 or 8 bytes works (bf16 first).
 
 Identity: `state_sha256` is a sha256 over the sorted tensor names, dtypes, shapes and the
 raw bytes, hashed as a two-level tree (sha256 of each block, sha256 of the block digests per
@@ -185,7 +187,8 @@ def _tensor_digest(blocks: list[bytes]) -> bytes:
     return hashlib.sha256(b"".join(blocks)).digest()
 
 
-def _state_hash(meta: Mapping[str, tuple[str, list[int]]], tensor_digest: Mapping[str, bytes]) -> str:
+def _state_hash(meta: Mapping[str, tuple[str, list[int]]],
+                tensor_digest: Mapping[str, bytes]) -> str:
     h = hashlib.sha256(b"apprentice-state-v1\n")
     for name in sorted(meta):
         dtype, shape = meta[name]
@@ -504,8 +507,9 @@ def prepare(state: Any, blob: bytes, *, digests: Digests | None = None) -> Patch
         new_digests[entry["name"]][sec["block"]] = digest
         changes.append(change)
     for entry in header["tensors"]:
-        if entry["kind"] != "same" and _tensor_digest(new_digests[entry["name"]]).hex() != entry["sha256"]:
-            raise DeltaError(f"tensor {entry['name']!r}: checksum mismatch after decoding")
+        name = entry["name"]
+        if entry["kind"] != "same" and _tensor_digest(new_digests[name]).hex() != entry["sha256"]:
+            raise DeltaError(f"tensor {name!r}: checksum mismatch after decoding")
     target = _state_hash(meta, {n: _tensor_digest(d) for n, d in new_digests.items()})
     if target != header["target_sha256"]:
         raise DeltaError(f"resulting state {_short(target)} != expected "

@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="always fetch full snapshots, never deltas (benchmarks)")
     args = parser.parse_args(argv)
     state = load_file(args.init)
-    config = SubscriberConfig(backoff_max_s=args.backoff_max,
-                              snapshot_after=0 if args.snapshots else SubscriberConfig.snapshot_after)
+    config = SubscriberConfig(backoff_max_s=args.backoff_max)
+    if args.snapshots:
+        config.snapshot_after = 0
     sub = Subscriber(state, args.connect, args.token, config).start()
     shown = None
     while True:

@@ -148,6 +148,11 @@ class VersionStore:
                 self._prune_cache()
         return path
 
+    def open_snapshot(self, version: int):
+        """An open binary file of `version`'s snapshot (safe against cache pruning)."""
+        with self._lock:
+            return open(self.snapshot_path(version), "rb")
+
     # ------------------------------------------------------------------ publishing
 
     def publish(self, state: Mapping[str, torch.Tensor]) -> int:
@@ -226,18 +231,13 @@ class VersionStore:
                 if delta.state_sha256(state, digests) != start.sha256:
                     raise delta.DeltaError(f"snapshot of version {start.version} is corrupted")
             for step in reversed(chain):
-                patch = delta.prepare(state, self.delta_path(step.parent, step.version).read_bytes(),
-                                      digests=digests)
+                blob = self.delta_path(step.parent, step.version).read_bytes()
+                patch = delta.prepare(state, blob, digests=digests)
                 if patch.sha256 != step.sha256:
                     raise delta.DeltaError(f"delta to version {step.version} has the wrong target")
                 state, digests = patch.materialize(state), patch.digests
             self._remember(version, state, digests)
             return state, digests
-
-    def open_snapshot(self, version: int):
-        """An open binary file of `version`'s snapshot (safe against cache pruning)."""
-        with self._lock:
-            return open(self.snapshot_path(version), "rb")
 
     def _prune_cache(self) -> None:
         files = []
