@@ -28,6 +28,7 @@ import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -220,7 +221,13 @@ class Sandbox:
     def _bwrap_flags(self, cwd: Path) -> list[str]:
         ws = str(self.workspace)
         flags = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                 "--bind", str(self._tmp), "/tmp", "--bind", ws, ws]
+                 "--bind", str(self._tmp), "/tmp"]
+        # The private /tmp hides whatever lived under the host's /tmp: keep the running
+        # interpreter (a venv made under /tmp, as CI clones do) visible, read-only.
+        for prefix in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}):
+            if prefix.startswith("/tmp/"):
+                flags += ["--ro-bind", prefix, prefix]
+        flags += ["--bind", ws, ws]
         for p in self.config.writable_paths:
             real = os.path.realpath(p)
             flags += ["--bind", real, real]
