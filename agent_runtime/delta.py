@@ -160,25 +160,22 @@ def _unplanes(data: bytes, size: int) -> np.ndarray:
 # ---------------------------------------------------------------------------- identity
 
 def tensor_digests(state: Any) -> Digests:
-    """sha256 of every `BLOCK_BYTES` block of every tensor (a model's state_dict or a dict)."""
+    """sha256 of every `BLOCK_BYTES` block of every tensor (a model's state_dict or a dict).
+
+    Blocks are read one at a time, so tensors on an accelerator never sit whole in host memory.
+    """
     tensors = _tensors(state)
-    items = []
+    items, sizes = [], []
     for name, t in tensors.items():
         _dtype_name(t)
-        block = _block_elems(t.element_size())
-        for b in range(_n_blocks(t.numel(), t.element_size())):
-            items.append((name, b * block, (b + 1) * block))
-    words: dict[str, np.ndarray] = {}
-
-    def digest(item):
-        name, start, stop = item
-        return hashlib.sha256(words[name][start:stop]).digest()
-
-    for name, t in tensors.items():
-        words[name] = _words(t)
-    sizes = [(min(stop, words[n].size) - start) * words[n].itemsize for n, start, stop in items]
+        size, numel = t.element_size(), t.numel()
+        block = _block_elems(size)
+        for b in range(_n_blocks(numel, size)):
+            items.append((name, t, b * block, min((b + 1) * block, numel)))
+            sizes.append((items[-1][3] - items[-1][2]) * size)
+    digests = _parallel(lambda it: hashlib.sha256(_words(*it[1:])).digest(), items, sizes)
     out: Digests = {name: [] for name in tensors}
-    for (name, _, _), d in zip(items, _parallel(digest, items, sizes)):
+    for (name, *_), d in zip(items, digests):
         out[name].append(d)
     return out
 
