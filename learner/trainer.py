@@ -1,0 +1,313 @@
+"""The GRPO trainer: fp32 master weights, AdamW, the training forward with router replay,
+per-step metrics in SQLite, resumable checkpoints, and bf16 policy versions.
+
+    trainer = Trainer.open(model_path, run_dir, TrainerConfig(), versions=VersionStore(...))
+    metrics = trainer.step(samples)          # one update; publishes the next version
+
+The training forward feeds prompt + completion[:-1] (the P + T - 1 tokens the behaviour policy
+fed) with the recorded routes forced (router replay; the gate weights are recomputed, so the
+router still learns), and scores only the T completion tokens. Two diagnostics are computed on
+every forward: the route-flip rate (share of (token, MoE layer) pairs where the router's own
+top-k set differs from the recorded one; with replay on the forced routes are used anyway)
+and the train-vs-behaviour KL (k3 estimate over completion tokens).
+
+Run folder: `metrics.db` (table `steps`, one row per step), `checkpoints/step-NNNNNNNN.pt`
+(model, optimizer, step, version, RNG, the caller's extra state; written atomically, the
+newest `keep_checkpoints` kept). Versions go to a `learner.versions.VersionStore`; killing
+the process loses at most the steps after the last checkpoint, never a published version.
+
+Not here: advantages and the loss formula (`grpo.py`), rollouts and scheduling (`pipeline.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import random
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import sqlite_utils
+import torch
+
+from agent_runtime.model import MoEModel, load_model
+from learner.config import TrainerConfig, to_dict
+from learner.grpo import TrainSample, behaviour_kl, mean_or_nan, policy_loss
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class ForwardOut:
+    logprobs: torch.Tensor           # [T] training logprobs of the completion tokens
+    flips: int                       # (token, layer) pairs whose own top-k set differs
+    routed: int                      # (token, layer) pairs compared
+
+
+class Trainer:
+    """Owns the fp32 master model and its optimizer; one `step()` per training batch."""
+
+    def __init__(self, model: MoEModel, run_dir: str | os.PathLike,
+                 config: TrainerConfig | None = None, versions: Any = None, store: Any = None):
+        self.config = config or TrainerConfig()
+        self.run_dir = Path(run_dir)
+        (self.run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+        self.model = model.to(device=self.config.device, dtype=torch.float32).train()
+        self.model.requires_grad_(True)
+        o = self.config.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+                                           eps=o.eps, weight_decay=o.weight_decay)
+        self.ref = None
+        if self.config.loss.kl_coef > 0:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.versions, self.store = versions, store
+        self.step_count = 0
+        self.version: int | None = None          # version of the current weights, once published
+        self.published: dict[str, torch.Tensor] | None = None
+        conn = sqlite3.connect(str(self.run_dir / "metrics.db"), check_same_thread=False)
+        self.db = sqlite_utils.Database(conn)
+        self.db.execute("PRAGMA journal_mode = WAL")
+
+    @classmethod
+    def open(cls, model_path: str | os.PathLike, run_dir: str | os.PathLike,
+             config: TrainerConfig | None = None, versions: Any = None,
+             store: Any = None) -> tuple["Trainer", dict | None]:
+        """Resume from the run folder's newest checkpoint, or start fresh from `model_path`
+        (seeding torch and publishing the initial weights). Returns the trainer and the extra
+        state saved with the checkpoint (None on a fresh start)."""
+        config = config or TrainerConfig()
+        trainer = cls(load_model(model_path, dtype=torch.float32), run_dir, config, versions, store)
+        extra = trainer.resume()
+        if extra is None:
+            torch.manual_seed(config.seed)
+            trainer.publish()
+        return trainer, extra
+
+    # -- training forward -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _router_choices(self, sink: list[torch.Tensor]) -> Iterator[None]:
+        """Collect each MoE layer's own top-k choice [N, k] (even when routes are forced)."""
+        k = self.model.args.top_k
+        hooks = [b.mlp.gate.register_forward_hook(
+                     lambda m, i, out: sink.append(out.detach().float().topk(k, dim=-1).indices))
+                 for b in self.model.layers if b.is_moe]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def forward(self, sample: TrainSample, replay: bool | None = None,
+                model: MoEModel | None = None) -> ForwardOut:
+        """Training logprobs of `sample`'s completion tokens, with replay as configured."""
+        model = model or self.model
+        replay = self.config.router_replay if replay is None else replay
+        P, T = len(sample.prompt_ids), len(sample.completion_ids)
+        dev = self.config.device
+        ids = torch.tensor([list(sample.prompt_ids) + list(sample.completion_ids[:-1])],
+                           dtype=torch.long, device=dev)                     # [1, S]
+        recorded = None
+        if sample.routes is not None:
+            if sample.routes.shape[0] != P + T - 1:
+                raise ValueError(f"routes cover {sample.routes.shape[0]} tokens; the sample fed "
+                                 f"{P + T - 1} (prompt {P} + completion {T} - 1)")
+            recorded = torch.from_numpy(np.asarray(sample.routes, dtype=np.int64)).to(dev)
+        chosen: list[torch.Tensor] = []
+        with self._router_choices(chosen) if model is self.model else contextlib.nullcontext():
+            out = model(ids, routes=recorded[None] if replay and recorded is not None else None,
+                        logits_to_keep=T)
+        temp = self.config.temperature if self.config.temperature > 0 else 1.0
+        logits = out.logits[0].float() / temp                                # [T, V]
+        target = torch.tensor(sample.completion_ids, dtype=torch.long, device=dev)
+        lp = logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]        # [T]
+        flips = routed = 0
+        if recorded is not None and chosen:
+            own = torch.stack(chosen, dim=1).sort(-1).values                 # [S, L, k]
+            differ = (own != recorded.sort(-1).values).any(-1)              # [S, L]
+            flips, routed = int(differ.sum()), differ.numel()
+        return ForwardOut(lp, flips, routed)
+
+    @torch.no_grad()
+    def measure(self, samples: Sequence[TrainSample], replay: bool | None = None) -> dict:
+        """Flip rate, behaviour KL and max |logprob difference| without updating anything."""
+        acc = _Acc()
+        for s in samples:
+            out = self.forward(s, replay)
+            acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device))
+        return acc.diagnostics()
+
+    # -- one update -------------------------------------------------------------------------
+
+    def step(self, samples: Sequence[TrainSample], extra_metrics: dict | None = None,
+             extra_state: dict | None = None) -> dict:
+        """One optimizer step on `samples` (token-level mean loss), then publish the new
+        version, record the metrics row and checkpoint. An empty batch skips the update."""
+        t0 = time.perf_counter()
+        c = self.config
+        n_tok = sum(s.n_tokens for s in samples)
+        acc = _Acc()
+        self.optimizer.zero_grad(set_to_none=True)
+        for s in samples:
+            out = self.forward(s)
+            dev = out.logprobs.device
+            behaviour = torch.tensor(s.logprobs, device=dev)
+            ref = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref = self.forward(s, model=self.ref).logprobs
+            loss, stats = policy_loss(out.logprobs, behaviour,
+                                      torch.full_like(out.logprobs, s.advantage), c.loss, ref)
+            (loss.sum() / n_tok).backward()
+            acc.add_forward(out, behaviour)
+            acc.add_loss(float(loss.detach().sum()), stats)
+        updated = n_tok > 0
+        grad_norm = math.nan
+        if updated:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                params, c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf))
+            self.optimizer.step()
+        self.step_count += 1
+        if updated:
+            self.publish()
+        row = {"step": self.step_count, "version": self.version, "time": time.time(),
+               "updated": int(updated), "samples": len(samples), "tokens": n_tok,
+               "replay": int(c.router_replay), "grad_norm": grad_norm, "lr": c.optim.lr,
+               **acc.diagnostics(), **acc.loss_stats(), "train_s": time.perf_counter() - t0,
+               **(extra_metrics or {})}
+        self.log_metrics(row)
+        if c.checkpoint_every and self.step_count % c.checkpoint_every == 0:
+            self.save_checkpoint(extra_state)
+        return row
+
+    # -- versions -----------------------------------------------------------------------------
+
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """The current weights as published (bf16 by default), on the CPU."""
+        dtype = getattr(torch, self.config.publish_dtype)
+        return {k: v.detach().to("cpu", dtype, copy=True) for k, v in self.model.state_dict().items()}
+
+    def publish(self) -> int:
+        """Publish the current weights as the next version (to the version store if any)."""
+        state = self.published_state()
+        if self.versions is not None:
+            try:
+                self.version = self.versions.publish(state)
+            except Exception as exc:
+                raise RuntimeError(f"could not publish to the version store at "
+                                   f"{getattr(self.versions, 'root', '?')}: {exc} (a store "
+                                   f"holding another model's versions? pick another one)") from exc
+            if self.store is not None:
+                info = self.versions.info(self.version)
+                self.store.record_policy_version(self.version, info.sha256, source="learner:grpo",
+                                                 meta={"step": self.step_count,
+                                                       "run": str(self.run_dir.name)})
+        else:
+            self.version = (self.version or 0) + 1
+        self.published = state
+        return self.version
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def log_metrics(self, row: dict) -> None:
+        """Insert or replace the row of `row["step"]` (a step redone after a resume)."""
+        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+        self.db["steps"].upsert(clean, pk="step", alter=True)
+
+    def metrics(self) -> list[dict]:
+        if "steps" not in self.db.table_names():
+            return []
+        return list(self.db.query("SELECT * FROM steps ORDER BY step"))
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[Path]:
+        return sorted((self.run_dir / CHECKPOINTS).glob("step-*.pt"))
+
+    def save_checkpoint(self, extra: dict | None = None) -> Path:
+        """Write model, optimizer, step, version, RNG and `extra` atomically; prune old ones."""
+        path = self.run_dir / CHECKPOINTS / f"step-{self.step_count:08d}.pt"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        payload = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                   "step": self.step_count, "version": self.version, "extra": extra or {},
+                   "ref": self.ref.state_dict() if self.ref is not None else None,
+                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                           "numpy": np.random.get_state()},
+                   "config": json.dumps(to_dict(self.config))}
+        torch.save(payload, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        for old in self.checkpoints()[:-max(1, self.config.keep_checkpoints)]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def resume(self) -> dict | None:
+        """Load the newest checkpoint, if any; returns its extra state (None if none)."""
+        found = self.checkpoints()
+        if not found:
+            return None
+        ck = torch.load(found[-1], map_location=self.config.device, weights_only=False)
+        self.model.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        if self.ref is not None and ck.get("ref") is not None:
+            self.ref.load_state_dict(ck["ref"])
+        self.step_count, self.version = ck["step"], ck["version"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        random.setstate(ck["rng"]["python"])
+        np.random.set_state(ck["rng"]["numpy"])
+        self.published = self.published_state()
+        if self.versions is not None and self.version is not None:
+            from agent_runtime import delta
+            if delta.state_sha256(self.published) != self.versions.info(self.version).sha256:
+                log.warning("checkpoint weights differ from published version %s", self.version)
+        log.info("resumed %s at step %d (version %s)", found[-1], self.step_count, self.version)
+        return ck["extra"]
+
+
+class _Acc:
+    """Sums over the samples of one batch, turned into per-token averages."""
+
+    def __init__(self):
+        self.tokens = self.flips = self.routed = 0
+        self.kl = self.max_diff = 0.0
+        self.loss = 0.0
+        self.stats: dict[str, float] = {}
+
+    def add_forward(self, out: ForwardOut, behaviour: torch.Tensor) -> None:
+        lp = out.logprobs.detach()
+        self.tokens += lp.numel()
+        self.flips += out.flips
+        self.routed += out.routed
+        self.kl += float(behaviour_kl(lp, behaviour).sum())
+        if lp.numel():
+            self.max_diff = max(self.max_diff, float((lp - behaviour.to(lp.dtype)).abs().max()))
+
+    def add_loss(self, loss_sum: float, stats: dict) -> None:
+        self.loss += loss_sum
+        for k, v in stats.items():
+            self.stats[k] = self.stats.get(k, 0) + v
+
+    def diagnostics(self) -> dict:
+        return {"flip_rate": mean_or_nan(self.flips, self.routed),
+                "kl": mean_or_nan(self.kl, self.tokens),
+                "max_logprob_diff": self.max_diff if self.tokens else math.nan}
+
+    def loss_stats(self) -> dict:
+        n = self.stats.get("tokens", 0)
+        return {"loss": mean_or_nan(self.loss, n),
+                "ratio_mean": mean_or_nan(self.stats.get("ratio_sum", 0.0), n),
+                "clip_frac": mean_or_nan(self.stats.get("clip_low", 0) + self.stats.get("clip_high", 0), n),
+                "truncated_frac": mean_or_nan(self.stats.get("truncated", 0), n),
+                "ref_kl": mean_or_nan(self.stats.get("ref_kl_sum", 0.0), n)}
