@@ -1,0 +1,118 @@
+"""Family `rename_symbol`: rename a function across the package (definition, imports, calls).
+
+Difficulty 1: defined in one module, used by one caller in another. 2: also re-exported from
+the package's `__init__.py`. 3: used from two more modules, one of them through a module
+import (`mod.name(...)`). Hidden tests import the new name, check the callers still work and
+that the old name is gone from every source file of the package.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from learner.tasks.repo import (Context, Draft, Phrase, Retry, call, case_tests, finish_repo,
+                                func_imports, hidden_path, make_caller, module_doc,
+                                module_source, package_files, phrase, reads, test_source,
+                                tests_check, turn)
+
+NAME = "rename_symbol"
+
+PHRASES = [
+    Phrase("Rename the function `{old}` to `{new}` throughout the {pkg} package: the definition "
+           "and every place that uses it."),
+    Phrase("Please rename `{old}` (defined in `{path}`) to `{new}` and update all callers and "
+           "imports. Don't leave an alias with the old name."),
+    Phrase("`{old}` is a confusing name. Change it to `{new}` everywhere in the code."),
+    Phrase("Refactor: `{old}` -> `{new}`. Update every reference in the package so nothing uses "
+           "the old name any more."),
+    Phrase("We're renaming `{old}` to `{new}`. Make the change across all modules of {pkg}; the "
+           "tests must keep passing."),
+    Phrase("We are standardising names in {pkg}. `{old}` must become `{new}`; every import and "
+           "call site has to follow, and the old name should disappear.", heldout=True),
+    Phrase("Do a project-wide rename of `{old}` to `{new}` (see `{path}`). No trace of the old "
+           "name should remain.", heldout=True),
+]
+
+NEW_PREFIXES = ("compute_", "calc_", "get_", "find_")
+
+
+def _new_name(ctx: Context, func) -> str:
+    options = [ctx.rng.choice(NEW_PREFIXES) + func.name, func.name + "_value"]
+    options += [func.sub(t) for t in func.kernel.names]
+    options = [o for o in options if o != func.name and o not in ctx.taken
+               and func.name not in o and o not in func.name]
+    if not options:
+        raise Retry("no fresh name")
+    name = ctx.rng.choice(options)
+    ctx.taken.add(name)
+    return name
+
+
+def build(ctx: Context) -> Draft:
+    rng, d, pkg = ctx.rng, ctx.difficulty, ctx.pkg
+    target = ctx.func()
+    old, new = target.name, _new_name(ctx, target)
+    home = ctx.module()
+    path = f"{pkg}/{home}.py"
+    neighbours = [ctx.func() for _ in range(rng.randint(1, d))]
+    funcs = neighbours[:]
+    funcs.insert(rng.randint(0, len(funcs)), target)
+    modules = {home: module_source(module_doc(ctx, home), [f.code for f in funcs],
+                                   func_imports(funcs))}
+    cases = ctx.cases(target, 5)
+    users = []                                  # (module, caller)
+    for i in range(1 if d < 3 else 3):
+        mod, caller = ctx.module(), make_caller(ctx, target)
+        as_module = d == 3 and i == 2
+        ref = f"{home}.{old}" if as_module else None
+        imports = [f"from {pkg} import {home}" if as_module else f"from {pkg}.{home} import {old}"]
+        extra = [ctx.func()] if rng.random() < 0.5 else []
+        codes = [caller.code(target_ref=ref)] + [f.code for f in extra]
+        modules[mod] = module_source(module_doc(ctx, mod), codes, imports + func_imports(extra))
+        users.append((mod, caller))
+    exports = {home: [old]} if d >= 2 else None
+    files = package_files(ctx, modules, exports)
+    for text in files.values():
+        words = set(re.findall(r"\w+", text))
+        if any(w != old and old in w for w in words) or new in words:
+            raise Retry("old name is part of another identifier")
+
+    test_imports = {f"{pkg}.{m}": [c.name] for m, c in users}
+    test_imports[f"{pkg}.{home}"] = [f.name for f in neighbours]
+    visible = [t for f in neighbours for t in case_tests(f, ctx.cases(f, 2))]
+    for m, c in users:
+        args, _ = cases[0]
+        visible.append((f"test_{c.name}", f"    assert {c.call(args)} == {c.outcome(args)[1]!r}\n"))
+    files[f"tests/test_{home}.py"] = test_source(test_imports, visible)
+
+    hidden = case_tests(replace(target, name=new), cases, prefix="test_renamed")
+    for i, (m, c) in enumerate(users):
+        hidden.append((f"test_caller_{i}_still_works", "".join(
+            f"    assert {c.call(args)} == {c.outcome(args)[1]!r}\n" for args, _ in cases)))
+    hidden.append(("test_old_name_is_gone", (
+        f"    assert not hasattr({home}_module, {old!r})\n"
+        f"    root = pathlib.Path({home}_module.__file__).resolve().parent\n"
+        f"    for source in sorted(root.rglob('*.py')):\n"
+        f"        assert re.search(r'\\b{old}\\b', source.read_text()) is None, source\n")))
+    hidden_imports = {f"{pkg}.{home}": [new], **{f"{pkg}.{m}": [c.name] for m, c in users}}
+    hidden_src = test_source(hidden_imports, hidden, ["import pathlib", "import re",
+                                                      f"import {pkg}.{home} as {home}_module"])
+    hidden_tests = {hidden_path(new): hidden_src}
+
+    instruction = phrase(rng, PHRASES, ctx.split, old=old, new=new, pkg=pkg, path=path)
+    touched = sorted(p for p, text in files.items() if re.search(rf"\b{old}\b", text)
+                     and not p.startswith("tests/"))
+    turns = [turn(rng.choice(["First, every place the name appears.", "Let me find all uses.",
+                              "Searching for the old name."]),
+                  call("grep", pattern=rf"\b{old}\b")),
+             reads(ctx, touched),
+             turn(rng.choice(["Renaming in each file.", "Now the rename, file by file.",
+                              "Applying the rename everywhere it appears."]),
+                  *[call("edit_file", path=p, old=old, new=new, replace_all=True)
+                    for p in touched]),
+             tests_check(ctx)]
+    summary = f"Renamed `{old}` to `{new}` in {', '.join(touched)}; the tests pass."
+    files = finish_repo(ctx, files, list(modules))
+    return Draft(instruction, files, hidden_tests, {"turns": turns, "summary": summary},
+                 {"kernel": target.kernel.key, "old": old, "new": new})
