@@ -141,6 +141,26 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+@migration
+def m002_rewards(db: sqlite_utils.Database) -> None:
+    """Rewards of graded sessions (simulated tasks, task folders); written by the learner."""
+    db.execute("""CREATE TABLE rewards (
+        id INTEGER PRIMARY KEY,
+        session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+        task_id TEXT NOT NULL,                   -- e.g. fix_bug/train/123, or a folder's name
+        family TEXT,
+        split TEXT,
+        reward REAL NOT NULL,
+        passed INTEGER NOT NULL,                 -- the hidden tests passed
+        cheated INTEGER NOT NULL DEFAULT 0,      -- tampering or peeking: reward forced to 0
+        detail TEXT,                             -- one line: why
+        meta TEXT,                               -- JSON object or NULL (violations, timings)
+        created_at TEXT NOT NULL
+    )""")
+    db.execute("CREATE INDEX rewards_session ON rewards (session_id)")
+    db.execute("CREATE INDEX rewards_task ON rewards (task_id)")
+
+
 def _applied(db: sqlite_utils.Database) -> set[str]:
     if not db["_migrations"].exists():
         return set()
