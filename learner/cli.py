@@ -15,6 +15,8 @@ from agent_runtime.hooks import hookimpl
 @hookimpl
 def register_commands(cli: click.Group) -> None:
     cli.add_command(serve)
+    cli.add_command(learn)
+    cli.add_command(eval_command)
 
 
 @click.command()
@@ -29,3 +31,192 @@ def serve(store_dir: Path | None, host: str, port: int, token: str) -> None:
     from learner.server import serve as run_server
     from agent_runtime.store import default_home
     run_server(store_dir or Path(default_home()) / "versions", host=host, port=port, token=token)
+
+
+# --- learn: training and its data (other learner commands join this group) ----------------
+
+@click.group()
+def learn() -> None:
+    """Train the policy: simulated tasks, offline GRPO, online RL from sessions."""
+
+
+@learn.group()
+def tasks() -> None:
+    """Simulated coding tasks with hidden tests (generate, export as task folders)."""
+
+
+def _families(value: str | None) -> list[str] | None:
+    return [f.strip() for f in value.split(",") if f.strip()] if value else None
+
+
+@tasks.command("export")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--split", type=click.Choice(["train", "heldout"]), default="train",
+              show_default=True, help="Which split to draw from.")
+@click.option("-n", "n", type=click.IntRange(1), default=20, show_default=True,
+              help="How many instances (families taken in turn).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+              help="Generator seed; the same seed gives the same instances.")
+@click.option("--families", metavar="A,B", help="Comma-separated families (default: all).")
+@click.option("--difficulty", type=click.IntRange(1, 3), default=None,
+              help="Only this difficulty (default: mixed 1-3).")
+@click.option("--with-solution", is_flag=True,
+              help="Also write solution.json (the oracle's plan) into each task folder.")
+def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | None,
+                 difficulty: int | None, with_solution: bool) -> None:
+    """Write generated task instances as task folders (task.json, repo/, tests/)."""
+    from learner.tasks import export, generate
+    try:
+        instances = generate(split, n, seed=seed, families=_families(families),
+                             difficulty=difficulty)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc))
+    folders = export(instances, out_dir, with_solution=with_solution)
+    click.echo(f"wrote {len(folders)} task folders to {out_dir}")
+
+
+# --- eval -----------------------------------------------------------------------------------
+
+@click.command("eval")
+@click.option("--tasks", "tasks_spec", default="sim-heldout", show_default=True,
+              help="sim-heldout, sim-train, or a folder: one task folder or a folder of them.")
+@click.option("-n", "n", type=click.IntRange(1), default=None,
+              help="How many tasks (simulated: default 50; folders: default all).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+              help="Generator seed for simulated tasks.")
+@click.option("--families", metavar="A,B", help="Comma-separated families (simulated tasks).")
+@click.option("--model", default="default", show_default=True,
+              help="Policy checkpoint: a model directory, or 'default' for the bundled one.")
+@click.option("--policy", "policy_spec", metavar="SPEC",
+              help="Overrides --model: 'oracle' (the scripted solver of simulated tasks) or a "
+                   "policy spec such as 'replay:FILE'.")
+@click.option("--max-steps", type=click.IntRange(1), default=20, show_default=True,
+              help="Model calls allowed per task.")
+@click.option("-j", "--concurrency", type=click.IntRange(1), default=None,
+              help="Tasks run at once (default: 4 for the oracle, 1 for a model).")
+@click.option("--sandbox", type=click.Choice(["auto", "off", "require"]), default=None,
+              help="Run commands in bubblewrap (default: $APPRENTICE_SANDBOX, else auto).")
+@click.option("-v", "--verbose", is_flag=True, help="One line per task before the summary.")
+def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None, model: str,
+                 policy_spec: str | None, max_steps: int, concurrency: int | None,
+                 sandbox: str | None, verbose: bool) -> None:
+    """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task."""
+    from agent_runtime.store import SessionStore
+    from learner.eval import evaluate, format_report, policy_factory, resolve_tasks
+    spec = policy_spec or model
+    try:
+        task_list = resolve_tasks(tasks_spec, n, seed, _families(families))
+        factory = policy_factory(spec)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc))
+    if spec == "oracle" and any(t.solution is None for t in task_list):
+        raise click.BadParameter("the oracle only solves generated tasks (or task folders "
+                                 "exported with --with-solution)")
+    with SessionStore() as store:
+        report = evaluate(task_list, factory, store, max_steps=max_steps, sandbox=sandbox,
+                          concurrency=concurrency or (4 if spec == "oracle" else 1))
+    click.echo(format_report(report, verbose=verbose))
+
+
+# --- learn grpo / learn report ----------------------------------------------------------------
+
+def _run_dir(run_dir: Path | None) -> Path:
+    from agent_runtime.store import default_home
+    return run_dir or Path(default_home()) / "runs" / "grpo"
+
+
+@learn.command()
+@click.option("--model", default="default", show_default=True,
+              help="Starting checkpoint: a model directory, or 'default' for the bundled one.")
+@click.option("--tasks", "family", type=click.Choice(["sim", "toy"]), default="sim",
+              show_default=True, help="Task family: simulated coding tasks, or 'toy' (one model "
+                                      "call, reward = share of even token ids; a smoke test).")
+@click.option("--group", type=click.IntRange(2), default=8, show_default=True,
+              help="Episodes per task (G); advantages are relative to the group.")
+@click.option("--steps", type=click.IntRange(1), default=100, show_default=True,
+              help="Optimizer steps in total (a resumed run counts on from its checkpoint).")
+@click.option("--sync", is_flag=True, help="Alternate rollouts and training (no overlap).")
+@click.option("--no-replay", is_flag=True, help="Let the router choose again in training "
+                                                "instead of replaying the recorded experts.")
+@click.option("--groups-per-step", type=click.IntRange(1), default=4, show_default=True,
+              help="Task groups in one training batch.")
+@click.option("--lr", type=float, default=1e-6, show_default=True, help="AdamW learning rate.")
+@click.option("--max-staleness", type=click.IntRange(0), default=2, show_default=True,
+              help="Drop samples more than this many versions behind the trainer.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=512, show_default=True,
+              help="Tokens per model call in rollouts.")
+@click.option("--temperature", type=click.FloatRange(0, min_open=True), default=1.0,
+              show_default=True, help="Rollout sampling temperature.")
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Run folder: checkpoints, metrics.db (default: $APPRENTICE_HOME/runs/grpo). "
+                   "A folder with checkpoints resumes.")
+@click.option("--versions", "versions_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Version store to publish to (default: $APPRENTICE_HOME/versions).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+              help="Task order and initial RNG seed.")
+@click.option("--threads", type=click.IntRange(0), default=0,
+              help="torch threads for the process (0 = torch's default).")
+def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay: bool,
+         groups_per_step: int, lr: float, max_staleness: int, max_new_tokens: int,
+         temperature: float, run_dir: Path | None, versions_dir: Path | None, seed: int,
+         threads: int) -> None:
+    """Train with GRPO (router replay, async rollouts); rerun to resume after a kill."""
+    import json
+
+    from agent_runtime.store import SessionStore, default_home
+    from learner import config as c
+    from learner.pipeline import build
+    from learner.versions import VersionStore
+    run_dir = _run_dir(run_dir)
+    cfg = c.RunConfig(
+        model=model, tasks=family,
+        trainer=c.TrainerConfig(optim=c.OptimConfig(lr=lr), router_replay=not no_replay,
+                                temperature=temperature, seed=seed),
+        rollout=c.RolloutConfig(group_size=group, concurrency=group, max_new_tokens=max_new_tokens),
+        pipeline=c.PipelineConfig(mode="sync" if sync else "async", steps=steps,
+                                  groups_per_step=groups_per_step, max_staleness=max_staleness,
+                                  torch_threads=threads, seed=seed))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(c.to_dict(cfg), indent=1))
+    versions = VersionStore(versions_dir or Path(default_home()) / "versions")
+    with SessionStore() as store:
+        try:
+            pipe = build(cfg, run_dir, store, versions)
+        except (FileNotFoundError, ValueError) as exc:
+            raise click.ClickException(str(exc))
+        t = pipe.trainer
+        click.echo(f"{'resumed' if t.step_count else 'started'} {run_dir} at step "
+                   f"{t.step_count}, version {t.version} ({cfg.pipeline.mode}, replay "
+                   f"{'on' if cfg.trainer.router_replay else 'off'})")
+        with click.progressbar(length=steps, label="grpo", show_pos=True,
+                               item_show_func=lambda r: r and _progress_line(r)) as bar:
+            bar.update(min(t.step_count, steps))
+            pipe.run(on_step=lambda row: bar.update(1, row))
+        s = pipe.stats
+        click.echo(f"step {t.step_count}, version {t.version}: {s.episodes_trained} episodes "
+                   f"trained in {s.wall_s:.0f}s, trainer idle {100 * s.idle_fraction:.0f}%; "
+                   f"`apprentice learn report --run {run_dir}` plots the curves")
+
+
+def _progress_line(row: dict) -> str:
+    def f(key: str, fmt: str) -> str:
+        return "-" if row.get(key) is None else format(row[key], fmt)
+    return (f"v{row['version']} reward {f('reward_mean', '.3f')} pass {f('pass_rate', '.2f')} "
+            f"kl {f('kl', '.1e')} flip {f('flip_rate', '.3f')}")
+
+
+@learn.command()
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Run folder (default: $APPRENTICE_HOME/runs/grpo).")
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG to write (default: RUN/report.png).")
+def report(run_dir: Path | None, out: Path | None) -> None:
+    """Plot a GRPO run's reward, pass-rate, KL and route-flip curves to a PNG."""
+    from learner.report import load_metrics, write_report
+    run_dir = _run_dir(run_dir)
+    try:
+        path = write_report(run_dir, out)
+    except ValueError as exc:
+        raise click.ClickException(str(exc))
+    rows = load_metrics(run_dir)
+    click.echo(f"{len(rows)} steps -> {path}; last: {_progress_line(rows[-1])}")

@@ -1,0 +1,129 @@
+"""Rollouts: real agent runs on tasks, in fresh workspaces and real sandboxes, graded.
+
+`run_episode` materializes a task into a new temporary workspace, runs the `Agent` loop on its
+instruction with the normal tools (the session, its samples with token ids, behaviour
+logprobs, routes and policy version land in the store like any session), grades the finished
+workspace with the hidden tests (`learner.tasks.grade`) and records the reward, with the
+cheating flag and the reasons, in the store's `rewards` table. `run_episodes` runs many at
+once on threads, each in its own workspace and sandbox.
+
+Commands run through `agent_runtime.sandbox.Sandbox`: bubblewrap when it works ("auto"),
+unsandboxed when asked ("off"); bubblewrap is probed once per process (`make_sandbox`), so a
+machine without it warns once, not per episode. This module computes no advantages and trains
+nothing; the GRPO trainer consumes the `Episode`s and the stored samples.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from agent_runtime.agent import Agent, AgentConfig, Callbacks
+from learner.tasks import TaskInstance, grade
+from learner.tasks.grading import Grade, make_sandbox, sandbox_config
+
+
+@dataclass
+class Episode:
+    task_id: str
+    session_id: str
+    reward: float
+    passed: bool
+    cheated: bool
+    steps: int                                 # model calls
+    tokens: int                                # completion tokens the policy generated
+    status: str                                # the session's status: finished, failed ...
+    family: str = ""
+    split: str = ""
+    detail: str = ""                           # the grade's one-line reason
+    duration_s: float = 0.0                    # agent run and grading
+    workspace: str | None = None               # kept only with keep_workspace=True
+
+
+def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = None,
+                max_steps: int = 20, sandbox=None, agent_config: AgentConfig | None = None,
+                tools: list | None = None, keep_workspace: bool = False) -> Episode:
+    """One graded agent run of `policy` on `task`; the reward is recorded in `store`.
+
+    `sandbox`: a `SandboxConfig` or a mode ("auto", "off", "require"); None is the default
+    config ($APPRENTICE_SANDBOX, else "auto"). `agent_config` overrides `max_steps`.
+    `workdir`: where the temporary workspace is made (default: the system's temp folder)."""
+    from agent_runtime.sandbox import SandboxConfig
+    start = time.monotonic()
+    config = sandbox_config(task, sandbox if sandbox is not None else SandboxConfig())
+    root = Path(tempfile.mkdtemp(prefix="apprentice-rollout-", dir=workdir))
+    workspace = root / "workspace"
+    task.materialize(workspace)
+    tokens = 0
+
+    def count(_sample_id: int, completion) -> None:
+        nonlocal tokens
+        tokens += len(completion.completion_ids)
+
+    box = make_sandbox(workspace, config)
+    try:
+        if tools is None:
+            from agent_runtime.tools.registry import default_tools
+            tools = default_tools()
+        agent = Agent(policy, tools=tools, store=store, workspace=workspace,
+                      config=agent_config or AgentConfig(max_steps=max_steps),
+                      callbacks=Callbacks(on_sample=count), sandbox=box)
+        result = agent.run(task.instruction)
+        graded = grade(task, workspace, sandbox=config,
+                       transcript=store.tool_calls(result.session_id))
+        record_reward(store, result.session_id, task, graded)
+    finally:
+        box.close()
+        if not keep_workspace:
+            shutil.rmtree(root, ignore_errors=True)
+    return Episode(task.id, result.session_id, graded.reward, graded.passed, graded.cheated,
+                   result.steps, tokens, result.status, task.family, task.split, graded.detail,
+                   time.monotonic() - start, str(workspace) if keep_workspace else None)
+
+
+def run_episodes(policy_factory: Callable[[TaskInstance], Any], tasks: list[TaskInstance],
+                 store, *, concurrency: int = 4, **kwargs: Any) -> list[Episode]:
+    """`run_episode(policy_factory(task), task, store, **kwargs)` for every task, up to
+    `concurrency` at a time on threads; episodes come back in the order of `tasks`.
+    A factory may return one shared policy if that policy is safe to call from threads."""
+    if concurrency <= 1:
+        return [run_episode(policy_factory(t), t, store, **kwargs) for t in tasks]
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="rollout") as pool:
+        futures = [pool.submit(lambda t=t: run_episode(policy_factory(t), t, store, **kwargs))
+                   for t in tasks]
+        return [f.result() for f in futures]
+
+
+# ---------------------------------------------------------------- the rewards table
+
+def record_reward(store, session_id: str, task: TaskInstance, graded: Grade) -> int:
+    """Add the grade of `session_id` to the store's `rewards` table; returns the row id."""
+    import datetime as _dt
+    meta = {"violations": graded.violations, "exit_code": graded.exit_code,
+            "grade_s": round(graded.duration_s, 3), "difficulty": task.difficulty}
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+    with store.transaction():
+        return store.db.execute(
+            "INSERT INTO rewards (session_id, task_id, family, split, reward, passed, cheated, "
+            "detail, meta, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [session_id, task.id, task.family, task.split, float(graded.reward),
+             int(graded.passed), int(graded.cheated), graded.detail, json.dumps(meta),
+             now]).lastrowid
+
+
+def rewards(store, session_id: str | None = None) -> list[dict]:
+    """Recorded rewards (all, or one session's), oldest first; JSON and flags decoded."""
+    sql, params = "SELECT * FROM rewards", []
+    if session_id is not None:
+        sql, params = sql + " WHERE session_id = ?", [session_id]
+    rows = list(store.db.query(sql + " ORDER BY id", params))
+    for r in rows:
+        r["meta"] = json.loads(r["meta"]) if r["meta"] else None
+        r["passed"], r["cheated"] = bool(r["passed"]), bool(r["cheated"])
+    return rows
