@@ -13,6 +13,7 @@ follower (`runner.py`), approval rules (`approvals.py`).
 from __future__ import annotations
 
 import asyncio
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -249,10 +250,16 @@ class ApprenticeApp(App):
                 or "warning: no sandbox available; commands run unconfined in the workspace")
 
     def _callbacks(self) -> Any:
+        """The agent's callbacks: each posts to the UI thread, streamed text in batches."""
         from agent_runtime.agent import Callbacks
-        post = self._post
+        text = TextBatcher(lambda chunk: self._post(self.chat.stream, chunk))
+
+        def post(fn: Callable[..., Any], *args: Any) -> None:
+            text.flush()                       # text before the event that follows it
+            self._post(fn, *args)
+
         return Callbacks(
-            on_text=lambda text: post(self.chat.stream, text),
+            on_text=text.add,
             on_message=lambda mid, message: post(self.agent_message, mid, message),
             on_tool_start=lambda call: post(self.chat.tool_start, call.id, call.name,
                                             call.arguments if call.arguments is not None
@@ -432,6 +439,27 @@ class ApprenticeApp(App):
         self.closing_down = True
         if self.gate is not None:
             self.gate.cancel_event.set()
+
+
+class TextBatcher:
+    """Hands streamed text on at most every `interval` seconds (the agent's thread waits for
+    each hand-over, so a fast model must not wait for a screen update per token)."""
+
+    def __init__(self, send: Callable[[str], None], interval: float = 0.03):
+        self.send, self.interval = send, interval
+        self.chunks: list[str] = []
+        self.sent_at = float("-inf")
+
+    def add(self, text: str) -> None:
+        self.chunks.append(text)
+        if time.monotonic() - self.sent_at >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.chunks:
+            text, self.chunks = "".join(self.chunks), []
+            self.sent_at = time.monotonic()
+            self.send(text)
 
 
 def _k(n: int) -> str:

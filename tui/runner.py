@@ -8,10 +8,13 @@ version server, between model calls. Nothing here touches Textual or runs the ag
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 NO_DEFAULT_MODEL = "no default model; start with --model PATH or --policy replay:FILE"
 
@@ -122,8 +125,11 @@ def follow(policy: Any, settings: Settings, store: Any) -> tuple[Any, Any]:
     subscriber = Subscriber(policy.model, settings.connect, settings.token).start()
 
     def record(version: int, sha256: str | None) -> None:
-        if sha256:
-            store.record_policy_version(version, sha256, source=settings.connect)
+        try:
+            if sha256:
+                store.record_policy_version(version, sha256, source=settings.connect)
+        except ValueError as exc:              # a conflicting record must not stop the agent
+            log.warning("policy version %s not recorded: %s", version, exc)
 
     return FollowingPolicy(policy, subscriber, on_swap=record), subscriber
 

@@ -24,7 +24,7 @@ def panel(app, tool: str) -> ToolPanel:
 
 
 async def test_assistant_text_is_streamed_as_it_is_generated(workspace):
-    app = make_app(workspace, [READ, FINISH], policy=SlowReplay([READ, FINISH], pause=0.01))
+    app = make_app(workspace, [READ, FINISH], policy=SlowReplay([READ, FINISH], pause=0.04))
     async with app.run_test(size=SIZE) as pilot:
         chunks = []
         stream = app.chat.stream

@@ -32,3 +32,15 @@ def test_outcome_status_tells_declined_from_failed():
     assert outcome_status(False, "Not run: the user cancelled the session") == "cancelled"
     assert outcome_status(False, "edit_file: no match") == "failed"
     assert outcome_status(None, "") == "unknown"
+
+
+def test_text_batcher_sends_in_order_and_flushes_the_rest():
+    from tui.app import TextBatcher
+    sent = []
+    batcher = TextBatcher(sent.append, interval=3600)
+    for chunk in ("a", "b", "c"):
+        batcher.add(chunk)
+    assert sent == ["a"]                       # the first goes at once, the rest wait
+    batcher.flush()
+    batcher.flush()
+    assert sent == ["a", "bc"]
