@@ -255,6 +255,8 @@ class Trainer:
 
     def resume(self) -> dict | None:
         """Load the newest checkpoint, if any; returns its extra state (None if none)."""
+        for tmp in (self.run_dir / CHECKPOINTS).glob(".step-*.tmp"):   # a write cut short
+            tmp.unlink(missing_ok=True)
         found = self.checkpoints()
         if not found:
             return None

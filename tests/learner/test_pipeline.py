@@ -1,0 +1,145 @@
+"""The rollout/trainer pipeline: sync and async modes, versions on every sample, bounded
+staleness, overlap of rollouts with training, and worker failures."""
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
+from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
+
+from agent_runtime.store import SessionStore  # noqa: E402
+from learner import pipeline  # noqa: E402
+from learner.config import (OptimConfig, PipelineConfig, RolloutConfig, RunConfig,  # noqa: E402
+                            TrainerConfig)
+from learner.grpo import Episode, Group  # noqa: E402
+from learner.versions import VersionStore  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def config(ckpt, mode: str, steps: int = 3, **pipe) -> RunConfig:
+    return RunConfig(model=str(ckpt), tasks="toy",
+                     trainer=TrainerConfig(optim=OptimConfig(lr=1e-2)),
+                     rollout=RolloutConfig(group_size=4, max_new_tokens=6),
+                     pipeline=PipelineConfig(mode=mode, steps=steps, groups_per_step=2, **pipe))
+
+
+def build(ckpt, tmp_path, mode, **kw):
+    store = SessionStore(tmp_path / "home")
+    versions = VersionStore(tmp_path / "versions")
+    return pipeline.build(config(ckpt, mode, **kw), tmp_path / "run", store, versions), store, versions
+
+
+def all_samples(store):
+    return [s for row in store.list_sessions(1000) for s in store.samples(row["id"])]
+
+
+def test_sync_mode_trains_only_on_policy(ckpt, tmp_path):
+    pipe, store, versions = build(ckpt, tmp_path, "sync")
+    rows = []
+    pipe.run(on_step=rows.append)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["staleness_max"] == 0 and r["stale_dropped"] == 0 for r in rows)
+    samples = all_samples(store)
+    assert len(samples) == 3 * 2 * 4                            # steps x groups x G
+    assert sorted({s["policy_version"] for s in samples}) == [1, 2, 3]
+    assert versions.latest().version == 4 == pipe.trainer.version
+
+
+def test_async_mode_tags_every_sample_with_a_published_version(ckpt, tmp_path):
+    pipe, store, versions = build(ckpt, tmp_path, "async", steps=4)
+    rows = []
+    stats = pipe.run(on_step=rows.append)
+    assert pipe.trainer.step_count == 4 and stats.episodes_trained == 4 * 2 * 4
+    published = {i.version for i in map(versions.info, range(1, versions.latest().version + 1))}
+    assert {s["policy_version"] for s in all_samples(store)} <= published
+    assert all(r["staleness_max"] is None or r["staleness_max"] <= 2 for r in rows)
+    assert max(stats.staleness) <= 2
+
+
+def test_rollouts_run_while_the_trainer_trains(ckpt, tmp_path):
+    pipe, _, _ = build(ckpt, tmp_path, "async", steps=2)
+    training, overlapped = threading.Event(), threading.Event()
+    runner, step = pipe.runner, pipe.trainer.step
+
+    def watching_runner(*args):
+        if training.is_set():
+            overlapped.set()                     # a group started during a training step
+        return runner(*args)
+
+    def slow_step(*args, **kw):
+        training.set()
+        overlapped.wait(timeout=60)             # hold the step until a rollout starts
+        try:
+            return step(*args, **kw)
+        finally:
+            training.clear()
+
+    pipe.runner, pipe.trainer.step = watching_runner, slow_step
+    pipe.run()
+    assert overlapped.is_set()
+
+
+def test_stale_samples_are_dropped(ckpt, tmp_path):
+    pipe, store, _ = build(ckpt, tmp_path, "sync")
+    pipe.trainer.version = 5                     # pretend the trainer is at version 5
+    group = pipe.runner(pipe.policies[0], pipe.tasks[0], store, pipe.config.rollout, lambda: False)
+    for i, ss in enumerate(group.samples):      # versions 2, 3, 4, 5: only 2 is > 2 behind
+        for s in ss:
+            s["policy_version"] = 2 + i
+    group.episodes = [Episode(e.session_id, float(i)) for i, e in enumerate(group.episodes)]
+    row = pipe._train([group], idle_s=0.0)
+    assert row["stale_dropped"] == 1 and row["samples"] == 3
+    assert row["staleness_max"] == 2 and row["staleness_mean"] == 1.0
+
+
+def test_zero_variance_groups_are_dropped_from_the_batch(ckpt, tmp_path):
+    pipe, store, _ = build(ckpt, tmp_path, "sync")
+    group = pipe.runner(pipe.policies[0], pipe.tasks[0], store, pipe.config.rollout, lambda: False)
+    flat = Group(group.task_id, [Episode(e.session_id, 1.0) for e in group.episodes], group.samples)
+    row = pipe._train([flat], idle_s=0.0)
+    assert row["groups_dropped"] == 1 and row["samples"] == 0 and row["updated"] == 0
+
+
+def test_a_failing_worker_stops_the_run(ckpt, tmp_path):
+    pipe, _, _ = build(ckpt, tmp_path, "async")
+
+    def broken(*args):
+        raise OSError("sandbox exploded")
+    pipe.runner = broken
+    with pytest.raises(RuntimeError, match="rollout worker failed") as info:
+        pipe.run()
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_a_time_limit_stops_the_run(ckpt, tmp_path):
+    pipe, _, _ = build(ckpt, tmp_path, "async", steps=1000)
+    stats = pipe.run(max_seconds=0.0)
+    assert pipe.trainer.step_count <= 1 and stats.wall_s >= 0.0
+
+
+def test_rollouts_must_sample_the_full_distribution(ckpt, tmp_path):
+    cfg = config(ckpt, "sync")
+    cfg.rollout.top_p = 0.9
+    with pytest.raises(ValueError, match="top_p"):
+        pipeline.build(cfg, tmp_path / "run", SessionStore(tmp_path / "home"))
+
+
+def test_toy_reward_ignores_stop_tokens():
+    assert pipeline.toy_reward([2, 4, 5, 7], stop_ids=[7]) == pytest.approx(2 / 3)
+    assert pipeline.toy_reward([7], stop_ids=[7]) == 0.0
