@@ -84,7 +84,7 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
 def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
                   should_stop: Callable[[], bool] = lambda: False) -> Group:
     from learner.rollout import run_episodes
-    eps = run_episodes(lambda: policy, [task] * config.group_size, store,
+    eps = run_episodes(lambda _task: policy, [task] * config.group_size, store,
                        concurrency=config.concurrency, max_steps=config.max_steps)
     return Group(task.id, [Episode(e.session_id, float(e.reward), bool(e.passed)) for e in eps],
                  [store.samples(e.session_id) for e in eps])
