@@ -44,7 +44,7 @@ class Tmux:
     """A tmux server of our own (private socket), so nothing else is touched."""
 
     def __init__(self) -> None:
-        self.socket = f"apprentice-bench-{os.getpid()}"
+        self.socket = f"apprentice-bench-{os.getpid()}-{time.monotonic_ns()}"
 
     def __call__(self, *args: str, check: bool = True) -> str:
         out = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True,

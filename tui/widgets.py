@@ -12,8 +12,6 @@ import json
 import re
 from typing import Any
 
-from rich.markdown import Markdown as RichMarkdown
-from rich.syntax import Syntax
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -29,6 +27,11 @@ _BLOCK = re.compile(re.escape(OPEN) + r".*?(?:" + re.escape(CLOSE) + r"|\Z)", re
 RESULT_LINES = 40                              # lines of a tool result shown in a panel
 OPEN_PANELS = {"edit_file", "write_file", "run_command"}   # shown expanded
 SYNTAX_THEME = "monokai"
+
+
+def _syntax(code: str, lexer: str) -> Any:
+    from rich.syntax import Syntax             # pygments: imported on first use, not at start
+    return Syntax(code, lexer, theme=SYNTAX_THEME, word_wrap=True)
 
 
 def visible_text(raw: str) -> str:
@@ -77,11 +80,11 @@ def preview(name: str | None, arguments: Any) -> Any:
         lines = [f"--- {path}", f"+++ {path}"]
         lines += ["-" + line for line in args["old"].splitlines()]
         lines += ["+" + line for line in args["new"].splitlines()]
-        return Syntax("\n".join(lines), "diff", theme=SYNTAX_THEME, word_wrap=True)
+        return _syntax("\n".join(lines), "diff")
     if name == "write_file" and isinstance(args.get("content"), str):
         path = str(args.get("path", ""))
-        lexer = Syntax.guess_lexer(path, args["content"])
-        return Syntax(clip(args["content"], 30), lexer, theme=SYNTAX_THEME, word_wrap=True)
+        from rich.syntax import Syntax
+        return _syntax(clip(args["content"], 30), Syntax.guess_lexer(path, args["content"]))
     if name == "run_command":
         return Text("$ " + str(args.get("command", "")), style="bold")
     if not isinstance(arguments, dict):
@@ -93,7 +96,7 @@ def result_view(name: str | None, text: str, ok: bool, data: dict | None) -> Any
     """A finished call's result: a highlighted diff for edits, the output for the rest."""
     data = data or {}
     if ok and data.get("diff"):
-        return Syntax(clip(data["diff"], 80), "diff", theme=SYNTAX_THEME, word_wrap=True)
+        return _syntax(clip(data["diff"], 80), "diff")
     shown = Text(clip(text))
     if not ok:
         shown.stylize("red")
@@ -168,7 +171,10 @@ class MarkdownBody(Widget):
     text: reactive[str] = reactive("", layout=True)
 
     def render(self) -> Any:
-        return RichMarkdown(self.text, code_theme=SYNTAX_THEME) if self.text else ""
+        if not self.text:
+            return ""
+        from rich.markdown import Markdown     # markdown-it: imported on first use
+        return Markdown(self.text, code_theme=SYNTAX_THEME)
 
 
 class Thumb(Static):
