@@ -220,3 +220,48 @@ def report(run_dir: Path | None, out: Path | None) -> None:
         raise click.ClickException(str(exc))
     rows = load_metrics(run_dir)
     click.echo(f"{len(rows)} steps -> {path}; last: {_progress_line(rows[-1])}")
+
+
+# --- learn recipe: the default model, end to end ---------------------------------------------
+
+@learn.command("recipe")
+@click.argument("name", type=click.Choice(["default", "toy"]), default="default")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Recipe folder, one subfolder per stage (default: "
+                   "$APPRENTICE_HOME/recipes/NAME). Rerun to resume.")
+@click.option("--stages", metavar="A,B", help="Only these stages (tokenizer, corpus, "
+                                              "pretrain, sft_data, sft, grpo, eval).")
+@click.option("--device", default="auto", show_default=True,
+              help="Training and evaluation device: auto (cuda when present), cpu, cuda.")
+@click.option("--eval-n", type=click.IntRange(1), default=None,
+              help="Held-out tasks in the eval stage (default: the recipe's, 200).")
+@click.option("-j", "--processes", type=click.IntRange(1), default=None,
+              help="Processes collecting oracle episodes and running evaluation episodes.")
+@click.option("--max-minutes", type=click.FloatRange(0), default=None,
+              help="Wall-time cap of each training stage (pretrain, sft, grpo); 0 = none.")
+def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
+           eval_n: int | None, processes: int | None, max_minutes: float | None) -> None:
+    """Make a default policy from scratch: tokenizer, pre-training, SFT, GRPO, eval."""
+    from agent_runtime.store import default_home
+    from learner.recipe import RECIPES, STAGES, run_recipe
+    config = RECIPES[name]()
+    chosen = tuple(_families(stages) or STAGES)
+    unknown = [s for s in chosen if s not in STAGES]
+    if unknown:
+        raise click.BadParameter(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
+    config.pretrain.device = config.sft.device = config.grpo.device = config.eval.device = device
+    if eval_n is not None:
+        config.eval.n = eval_n
+    if processes is not None:
+        config.sft.workers = config.eval.processes = processes
+    if max_minutes is not None:
+        config.pretrain.train.max_seconds = config.sft.train.max_seconds = 60 * max_minutes
+        config.grpo.max_seconds = 60 * max_minutes
+    out_dir = out_dir or Path(default_home()) / "recipes" / name
+    results = run_recipe(out_dir, config, chosen, log=click.echo)
+    ev = results.get("eval") or {}
+    if ev:
+        click.echo("held-out pass@1: " + "  ".join(
+            f"{m}: {100 * r['pass_at_1']:.1f}% ({r['n']})" for m, r in ev.items()
+            if isinstance(r, dict) and "pass_at_1" in r))
+    click.echo(f"recipe folder: {out_dir}")

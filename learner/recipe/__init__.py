@@ -1,0 +1,55 @@
+"""The recipe that makes apprentice's embedded default policy, end to end, with our own pipeline.
+
+    apprentice learn recipe default --out DIR      # tokenizer -> corpus -> pretrain -> sft -> grpo -> eval
+
+Stages (each in `DIR/<stage>/`, each ending with a `metrics.json`, each resumable):
+
+1. `tokenizer` — byte-level BPE trained on the offline Python corpus, saved as `.tiktoken`;
+2. `corpus` — the corpus tokenized, train / held-out split by file;
+3. `pretrain` — a fresh MoE trained on next-token prediction, held-out perplexity;
+4. `sft_data`, `sft` — oracle trajectories through the real agent loop, loss on assistant tokens;
+5. `grpo` — the learner's GRPO pipeline on the simulated training split, router replay on;
+6. `eval` — held-out pass@1 of the SFT and GRPO checkpoints, side by side.
+
+`RECIPES` names the presets: "default" (the shipped model's shape and budgets) and "toy" (a
+tiny model that runs every stage on a CPU in minutes, for smoke tests). This package imports
+the runtime; the runtime never imports it.
+"""
+
+from __future__ import annotations
+
+from learner.recipe.evaluate import EvalConfig
+from learner.recipe.lm import LMConfig
+from learner.recipe.pretrain import ModelShape, PretrainConfig
+from learner.recipe.sft import SFTConfig
+from learner.recipe.stages import STAGES, GRPOStageConfig, RecipeConfig, run_recipe
+from learner.recipe.tokenizer_stage import TokenizerConfig
+
+
+def default_recipe() -> RecipeConfig:
+    """The shipped model: qwen3_moe, hidden 384, 6 layers, 8 experts top-2, vocab 8192."""
+    return RecipeConfig()
+
+
+def toy_recipe() -> RecipeConfig:
+    """Every stage at toy scale: a CPU runs the whole recipe in a few minutes."""
+    return RecipeConfig(
+        tokenizer=TokenizerConfig(vocab_size=1024, train_bytes=2_000_000),
+        pretrain=PretrainConfig(
+            shape=ModelShape(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                             head_dim=32, num_experts=8, top_k=2, expert_size=64),
+            train=LMConfig(steps=30, lr=3e-3, warmup=5, log_every=10, checkpoint_every=10),
+            corpus_bytes=1_000_000, heldout_bytes=100_000, seq_len=256, batch_size=8,
+            eval_windows=8, eval_every=30),
+        sft=SFTConfig(train=LMConfig(steps=10, lr=1e-3, warmup=2, weight_decay=0.0,
+                                     log_every=5, checkpoint_every=5),
+                      tasks=6, workers=1, batch_size=2),
+        grpo=GRPOStageConfig(steps=1, group_size=2, groups_per_step=1, max_new_tokens=32,
+                             max_steps=2, workers=1, lr=1e-5),
+        eval=EvalConfig(n=3, max_steps=2))
+
+
+RECIPES = {"default": default_recipe, "toy": toy_recipe}
+
+__all__ = ["RECIPES", "STAGES", "RecipeConfig", "GRPOStageConfig", "run_recipe",
+           "default_recipe", "toy_recipe"]

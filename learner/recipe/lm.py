@@ -1,0 +1,169 @@
+"""The language-model training loop shared by pre-training and the supervised warm-up.
+
+`train_lm` runs AdamW with linear warm-up and cosine decay on batches a stage supplies
+(`batch(step) -> (input_ids [B, T], targets [B, T], loss mask [B, T])`), adds a Switch-style
+load-balancing loss on every router (read through forward hooks, so the engine's `MoEModel` is
+used unchanged), uses bf16 autocast on CUDA, and writes a resumable `state.pt` (model,
+optimizer, step, metrics so far) every `checkpoint_every` steps. Batches are a function of the
+step, so a resumed run sees the same data as an uninterrupted one.
+
+It does not build data, evaluate tasks or write HF checkpoints (the stages do).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from agent_runtime.model.model import MoE, MoEModel
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LMConfig:
+    steps: int = 1000               # optimizer steps of the stage
+    lr: float = 3e-3                # peak learning rate
+    min_lr_ratio: float = 0.1       # cosine decays to lr * this
+    warmup: int = 50                # linear warm-up steps
+    weight_decay: float = 0.1       # AdamW decoupled decay (matrices only)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW moment decay rates
+    grad_clip: float = 1.0          # max global gradient norm
+    aux_coef: float = 0.01          # weight of the router load-balancing loss
+    checkpoint_every: int = 200     # steps between resumable checkpoints (and at the end)
+    log_every: int = 20             # steps between metric rows
+    max_seconds: float = 0.0        # stop early after this wall time (0 = no limit)
+    seed: int = 0                   # torch seed of initialization-independent randomness
+
+
+def lr_at(step: int, c: LMConfig) -> float:
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+    return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+class RouterStats:
+    """Captures every router's logits during a forward; `aux_loss()` is Switch's balance loss
+    E * sum_e f_e * P_e (f: share of top-k slots, P: mean probability), averaged over layers."""
+
+    def __init__(self, model: MoEModel):
+        self.logits: list[torch.Tensor] = []
+        self.hooks = [m.gate.register_forward_hook(self._hook)
+                      for m in model.modules() if isinstance(m, MoE)]
+        self.k = model.args.top_k
+
+    def _hook(self, module, inputs, output) -> None:
+        self.logits.append(output)
+
+    def aux_loss(self) -> torch.Tensor:
+        losses = []
+        for logits in self.logits:
+            probs = logits.float().softmax(-1)                        # [N, E]
+            E = probs.shape[-1]
+            top = probs.topk(self.k, dim=-1).indices
+            f = torch.zeros_like(probs).scatter_(-1, top, 1.0).mean(0) / self.k
+            losses.append(E * (f * probs.mean(0)).sum())
+        self.logits = []
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the positions where `mask` is set."""
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                         reduction="none")
+    m = mask.reshape(-1).float()
+    return (ce * m).sum() / m.sum().clamp(min=1.0)
+
+
+def make_optimizer(model: MoEModel, c: LMConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
+                              {"params": other, "weight_decay": 0.0}],
+                             lr=c.lr, betas=tuple(c.betas), fused=None)
+
+
+def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_dir: Path,
+             device: str = "cpu", evaluate: Callable[[], dict] | None = None,
+             eval_every: int = 0, log: Callable[[dict], None] = print) -> dict:
+    """Train `model` (fp32 masters on `device`) for `c.steps`, resuming from `state_dir`."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    model.to(device=device, dtype=torch.float32).train()
+    opt = make_optimizer(model, c)
+    start, history = 0, []
+    state_path = state_dir / "state.pt"
+    if state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, history = state["step"], state["history"]
+        log({"resumed_at": start})
+    torch.manual_seed(c.seed + start)
+    stats = RouterStats(model)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") \
+        else torch.autocast("cpu", enabled=False)
+    t0, tokens, step = time.time(), 0, start
+    window: list[float] = []
+    try:
+        for step in range(start, c.steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, c)
+            ids, targets, mask = (t.to(device, non_blocking=True) for t in batch(step))
+            with autocast:
+                logits = model(ids).logits
+            loss = masked_loss(logits, targets, mask)
+            aux = stats.aux_loss()
+            opt.zero_grad(set_to_none=True)
+            (loss + c.aux_coef * aux).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip or float("inf"))
+            opt.step()
+            tokens += int(mask.sum())
+            window.append(loss.item())
+            done = step + 1
+            if done % c.log_every == 0 or done == c.steps:
+                row = {"step": done, "loss": sum(window) / len(window), "aux": aux.item(),
+                       "grad_norm": float(norm), "lr": lr_at(step, c),
+                       "tokens_per_s": tokens / max(time.time() - t0, 1e-9)}
+                if evaluate is not None and eval_every and (done % eval_every == 0 or done == c.steps):
+                    row.update(evaluate())
+                    model.train()
+                history.append(row)
+                log(row)
+                window = []
+            if done % c.checkpoint_every == 0 or done == c.steps:
+                _save_state(state_path, model, opt, done, history)
+            if c.max_seconds and time.time() - t0 > c.max_seconds:
+                log({"stopped_early_at": done, "seconds": time.time() - t0})
+                _save_state(state_path, model, opt, done, history)
+                break
+    finally:
+        stats.close()
+    model.eval()
+    return {"steps": step + 1 if c.steps > start else start, "seconds": time.time() - t0,
+            "history": history, "config": asdict(c)}
+
+
+def _save_state(path: Path, model: MoEModel, opt: torch.optim.Optimizer, step: int,
+                history: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "history": history}, tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")

@@ -1,0 +1,192 @@
+"""Stage 2 of the recipe: a fresh MoE pre-trained on the code corpus by next-token prediction.
+
+`encode_corpus` turns the corpus files into two flat token arrays (train and held-out, split by
+file as in the tokenizer stage), each file followed by `<|endoftext|>`, saved as one compressed
+`corpus.npz` (uint16 when the vocabulary fits). `init_model` builds the MoE from a `ModelShape`
+(a qwen3_moe config that `transformers` loads unchanged). `run` trains on random windows of the
+train array (a function of the step, so resuming is exact), reports held-out perplexity on fixed
+windows, and writes the HF checkpoint with the tokenizer next to it.
+
+It does not train the tokenizer (`tokenizer_stage`) or know about chat formats (`sft`).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from agent_runtime.model import load_tokenizer, save_model
+from agent_runtime.model.config import args_from_hf
+from agent_runtime.model.model import MoEModel
+from learner.recipe.lm import LMConfig, train_lm
+from learner.recipe.tokenizer_stage import is_heldout, read_texts
+
+TOKENIZER_FILES = ("tokenizer.tiktoken", "tiktoken_config.json", "tokenizer_config.json")
+MAX_SHARD_BYTES = 15 * 2**20        # shards small enough to travel one file at a time
+
+
+@dataclass
+class ModelShape:
+    hidden_size: int = 384          # residual width
+    num_layers: int = 6             # decoder blocks, every one MoE
+    num_heads: int = 6              # query heads of head_dim each
+    num_kv_heads: int = 2           # key/value heads (grouped-query attention)
+    head_dim: int = 64
+    num_experts: int = 8            # routed experts per layer
+    top_k: int = 2                  # experts per token
+    expert_size: int = 256          # intermediate width of one expert
+    max_position: int = 4096        # context window
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False    # untied: the output head gets its own matrix
+
+    def hf_config(self, vocab_size: int, eos_token_id: int | None, pad_token_id: int | None) -> dict:
+        return {
+            "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+            "vocab_size": vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "num_experts": self.num_experts, "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.expert_size, "intermediate_size": 4 * self.expert_size,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "max_position_embeddings": self.max_position, "rms_norm_eps": 1e-6,
+            "rope_theta": self.rope_theta, "hidden_act": "silu", "attention_bias": False,
+            "attention_dropout": 0.0, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+            "use_sliding_window": False, "tie_word_embeddings": self.tie_embeddings,
+            "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+        }
+
+
+@dataclass
+class PretrainConfig:
+    shape: ModelShape = field(default_factory=ModelShape)   # the model to build
+    train: LMConfig = field(default_factory=LMConfig)       # the optimization
+    corpus_bytes: int = 48_000_000  # source bytes tokenized for training (held-out on top)
+    heldout_bytes: int = 1_000_000  # held-out source bytes (perplexity)
+    heldout_percent: int = 2        # must match the tokenizer stage's split
+    seq_len: int = 2048             # tokens per training window
+    batch_size: int = 32            # windows per step
+    eval_windows: int = 64          # held-out windows scored for perplexity
+    eval_every: int = 500           # steps between perplexity evaluations
+    device: str = "auto"            # "auto": cuda when available, else cpu
+    seed: int = 0                   # initialization and data order
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def encode_corpus(tok, files: list[tuple[str, Path]], config: PretrainConfig, path: Path) -> dict:
+    """Tokenize the train and held-out files into `path` (corpus.npz); return counts."""
+    eot = tok.special_tokens["<|endoftext|>"]
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.int32
+    out = {}
+    for split, budget in (("train", config.corpus_bytes), ("heldout", config.heldout_bytes)):
+        chosen = [(n, p) for n, p in files if is_heldout(n, config.heldout_percent) == (split == "heldout")]
+        ids: list[int] = []
+        for _, text in read_texts(chosen, budget):
+            ids.extend(tok.encode(text, special=False))
+            ids.append(eot)
+        out[split] = np.asarray(ids, dtype=dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **out)
+    return {f"{k}_tokens": int(v.size) for k, v in out.items()}
+
+
+def init_model(shape: ModelShape, tok, seed: int = 0) -> MoEModel:
+    """A freshly initialized MoE: N(0, 0.02), output projections scaled by 1/sqrt(2 * layers)."""
+    cfg = shape.hf_config(_round_vocab(tok.vocab_size), tok.eos_token_id, tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = MoEModel(args_from_hf(cfg), cfg)
+    std_out = 0.02 / math.sqrt(2 * shape.num_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("o_proj.weight") or name.endswith("experts.down"):
+                p.normal_(0.0, std_out)
+            else:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def _round_vocab(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def window_batches(data: np.ndarray, seq_len: int, batch_size: int, seed: int
+                   ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """batch(step): `batch_size` random windows of `seq_len + 1` tokens, fixed by (seed, step)."""
+    tokens = torch.from_numpy(data.astype(np.int64))
+    high = len(tokens) - seq_len - 1
+    if high <= 0:
+        raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one window ({seq_len + 1})")
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, high, (batch_size,), generator=g)
+        rows = torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:], torch.ones(batch_size, seq_len, dtype=torch.bool)
+    return batch
+
+
+@torch.no_grad()
+def perplexity(model: MoEModel, data: np.ndarray, seq_len: int, windows: int, device: str) -> float:
+    """exp(mean next-token loss) over up to `windows` consecutive held-out windows."""
+    model.eval()
+    tokens = torch.from_numpy(data.astype(np.int64))
+    n = min(windows, (len(tokens) - 1) // seq_len)
+    if n == 0:
+        return float("nan")
+    total, count = 0.0, 0
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") \
+        else torch.autocast("cpu", enabled=False)
+    for i in range(0, n, 8):
+        rows = torch.stack([tokens[j * seq_len:(j + 1) * seq_len + 1] for j in range(i, min(n, i + 8))]).to(device)
+        with autocast:
+            logits = model(rows[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 rows[:, 1:].reshape(-1), reduction="sum")
+        total += float(loss)
+        count += rows[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def run(tokenizer_dir: Path, corpus: Path, out: Path, config: PretrainConfig,
+        log: Callable[[dict], None] = print) -> dict:
+    """Pre-train from scratch on `corpus` (see `encode_corpus`); write the checkpoint to `out/model`."""
+    tok = load_tokenizer(tokenizer_dir)
+    device = pick_device(config.device)
+    data = np.load(corpus)
+    train, heldout = data["train"], data["heldout"]
+    model = init_model(config.shape, tok, config.seed)
+    batch = window_batches(train, config.seq_len, config.batch_size, config.seed)
+
+    def evaluate() -> dict:
+        return {"heldout_ppl": perplexity(model, heldout, config.seq_len, config.eval_windows, device)}
+
+    result = train_lm(model, batch, config.train, out / "state", device, evaluate,
+                      config.eval_every, log)
+    ppl = evaluate()["heldout_ppl"]
+    save_model(model, out / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)
+    copy_tokenizer(tokenizer_dir, out / "model")
+    params = sum(p.numel() for p in model.parameters())
+    return {"heldout_ppl": ppl, "heldout_tokens": int(heldout.size), "train_tokens": int(train.size),
+            "params": params, "device": device, "shape": asdict(config.shape),
+            "tokens_seen": result["steps"] * config.batch_size * config.seq_len,
+            "seconds": result["seconds"], "steps": result["steps"], "history": result["history"]}

@@ -1,0 +1,241 @@
+"""Stage 3 of the recipe: supervised warm-up on oracle trajectories, in the runtime's own format.
+
+Data: every training task is solved by `OraclePolicy` through the real rollout path
+(`learner.rollout.run_episode`: the `Agent` loop, the real tools and sandbox, grading). The
+oracle renders its prompts with *our* tokenizer and chat template (the same `ChatTemplate.render`
+the engine uses), so each stored sample holds the exact prompt and completion token ids a model
+would see and write, `<tool_call>` blocks and tool schemas included. A share of the episodes runs
+with a small context window so the self-summarizing context kicks in: those summary requests are
+answered with a structured summary (goal, calls made, files touched, next step) built from the
+conversation, so the model learns to write the segments the runtime asks for.
+
+Sequences: consecutive samples of a session whose next prompt extends the previous prompt and
+completion are merged into one token sequence; the loss mask covers the completion tokens (and
+the `<|im_end|>` that ends each one) and nothing else.
+
+It does not pre-train (`pretrain`) or sample from a model (GRPO does, in `learner.pipeline`).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from agent_runtime.context import SUMMARY_REQUEST
+from learner.recipe.lm import LMConfig, train_lm
+from learner.tasks.oracle import OraclePolicy
+
+
+@dataclass
+class SFTConfig:
+    train: LMConfig = field(default_factory=lambda: LMConfig(
+        steps=600, lr=1e-3, warmup=30, weight_decay=0.0, checkpoint_every=200))
+    tasks: int = 1500               # training-split instances solved by the oracle
+    task_seed: int = 0              # generate("train", tasks, seed=task_seed)
+    summary_share: float = 0.15     # episodes run with a small window (summaries happen)
+    small_window: tuple[int, int] = (2000, 2800)  # that window, drawn per episode
+    context_window: int = 4096      # the model's window (every other episode)
+    workers: int = 2                # processes collecting episodes
+    batch_size: int = 16            # sequences per step (right-padded)
+    max_len: int = 4096             # longer sequences are cut
+    device: str = "auto"            # "auto": cuda when available, else cpu
+    seed: int = 0                   # episode windows and batch order
+
+
+# -- the recording oracle ------------------------------------------------------------------------
+
+class RecordingOracle(OraclePolicy):
+    """`OraclePolicy` counting and rendering with a model's tokenizer and chat template, and
+    answering summary requests with a summary of the conversation so far."""
+
+    def __init__(self, task, tokenizer, template, context_window: int):
+        super().__init__(task, context_window=context_window)
+        self.tokenizer, self.template = tokenizer, template
+
+    def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, **kw):
+        if messages and messages[-1].get("kind") == SUMMARY_REQUEST and not self.summaries:
+            self.summaries.append(summarize(messages, self.turns))
+        return super().complete(messages, tools, **kw)
+
+
+def summarize(messages: list[dict], plan: list[str]) -> str:
+    """The summary an oracle would write: goal, calls so far with outcomes, the exact text
+    its next edits will replace (it knows its plan), and the next step."""
+    from agent_runtime.context import SUMMARY_PREFIX
+    from agent_runtime.toolcalls import parse_tool_calls
+    task = next((m["content"] for m in messages if m.get("kind") == "task"), "")
+    earlier = next((m["content"][len(SUMMARY_PREFIX):] for m in messages
+                    if m.get("kind") == "summary"), "")
+    done = []
+    results = {m.get("tool_call_id"): m.get("content") or "" for m in messages if m["role"] == "tool"}
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call)
+            args = fn.get("arguments") or {}
+            what = args.get("path") or args.get("command") or args.get("pattern") or ""
+            result = results.get(call.get("id"), "")
+            status = "failed: " + result.splitlines()[0][:120] if result.startswith("Error") else "ok"
+            done.append(f"- {fn.get('name')} {what}".rstrip() + f" ({status})")
+    if earlier:
+        prior = earlier.split("## Done so far\n", 1)[-1].split("\n## ", 1)[0].strip()
+        done = [line for line in prior.splitlines() if line.startswith("- ")] + done
+    facts = []
+    for turn in plan:
+        for call in parse_tool_calls(turn).calls:
+            args = call.arguments or {}
+            if call.name == "edit_file" and args.get("old"):
+                facts.append(f"- {args['path']} contains:\n```\n{args['old']}\n```")
+    step = plan[0].split("<tool_call>", 1)[0].strip() if plan else ""
+    return (f"## Goal\n{task}\n## Done so far\n" + ("\n".join(done) or "- nothing yet")
+            + "\n## Key facts (exact file paths, names, commands, error messages and test results)\n"
+            + ("\n".join(facts) or "- none beyond the above")
+            + f"\n## Next steps\n{step or 'Continue with the task.'}")
+
+
+# -- collecting ---------------------------------------------------------------------------------
+
+def _collect_chunk(args: tuple) -> dict:
+    """Run the oracle on some tasks (one process); return their sequences and counts."""
+    tokenizer_dir, numbers, windows, task_seed = args
+    from agent_runtime.model import load_tokenizer
+    from agent_runtime.model.chat_template import ChatTemplate
+    from agent_runtime.store import SessionStore
+    from learner import tasks as sim
+    from learner.rollout import run_episode
+
+    tok = load_tokenizer(tokenizer_dir)
+    template = ChatTemplate.from_pretrained(tokenizer_dir)
+    eos = tok.special_tokens["<|im_end|>"]
+    all_tasks = sim.generate("train", max(numbers) + 1, seed=task_seed)
+    out = {"seqs": [], "episodes": 0, "passed": 0, "samples": 0, "merged": 0, "summaries": 0}
+    with tempfile.TemporaryDirectory(prefix="apprentice-sft-") as home:
+        store = SessionStore(home)
+        for number, window in zip(numbers, windows):
+            task = all_tasks[number]
+            policy = RecordingOracle(task, tok, template, window)
+            try:
+                ep = run_episode(policy, task, store, max_steps=30)
+            except Exception:                   # a broken instance must not stop the stage
+                continue
+            out["episodes"] += 1
+            if not ep.passed:
+                continue
+            out["passed"] += 1
+            samples = store.samples(ep.session_id)
+            out["samples"] += len(samples)
+            out["summaries"] += len({s["segment"] for s in samples}) - 1
+            seqs, merged = merge_samples(samples, eos)
+            out["merged"] += merged
+            out["seqs"].extend(seqs)
+        store.close()
+    return out
+
+
+def merge_samples(samples: list[dict], eos: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """(token ids, loss mask) sequences from a session's samples; returns them and how many
+    samples were appended to the sequence before them instead of starting a new one."""
+    seqs: list[tuple[list[int], list[int]]] = []
+    merged = 0
+    for s in samples:
+        prompt, completion = list(s["prompt_ids"]), list(s["completion_ids"])
+        if s["finish_reason"] in ("stop", "eos") and (not completion or completion[-1] != eos):
+            completion.append(eos)
+        if seqs and len(prompt) >= len(seqs[-1][0]) and prompt[:len(seqs[-1][0])] == seqs[-1][0]:
+            ids, mask = seqs[-1]
+            extra = prompt[len(ids):]
+            ids.extend(extra + completion)
+            mask.extend([0] * len(extra) + [1] * len(completion))
+            merged += 1
+        else:
+            seqs.append((prompt + completion, [0] * len(prompt) + [1] * len(completion)))
+    return seqs, merged
+
+
+def collect(tokenizer_dir: Path, out: Path, config: SFTConfig) -> dict:
+    """Solve `config.tasks` training instances with the recording oracle; save `sft.npz`."""
+    rng = random.Random(config.seed)
+    windows = [rng.randint(*config.small_window) if rng.random() < config.summary_share
+               else config.context_window for _ in range(config.tasks)]
+    numbers = list(range(config.tasks))
+    k = max(1, config.workers)
+    chunks = [(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed) for i in range(k)]
+    if k == 1:
+        parts = [_collect_chunk(chunks[0])]
+    else:
+        with ProcessPoolExecutor(k) as pool:
+            parts = list(pool.map(_collect_chunk, chunks))
+    seqs = [s for p in parts for s in p["seqs"]]
+    save_sequences(out, seqs)
+    stats = {key: sum(p[key] for p in parts) for key in ("episodes", "passed", "samples",
+                                                         "merged", "summaries")}
+    stats.update(sequences=len(seqs), tokens=sum(len(s[0]) for s in seqs),
+                 trained_tokens=sum(sum(s[1]) for s in seqs))
+    return stats
+
+
+def save_sequences(path: Path, seqs: list[tuple[list[int], list[int]]]) -> None:
+    lengths = np.array([len(ids) for ids, _ in seqs], dtype=np.int64)
+    ids = np.array([t for s, _ in seqs for t in s], dtype=np.uint16)
+    mask = np.array([m for _, ms in seqs for m in ms], dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, ids=ids, mask=mask, lengths=lengths)
+
+
+def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+    data = np.load(path)
+    ends = np.cumsum(data["lengths"])
+    starts = ends - data["lengths"]
+    return [(data["ids"][a:b], data["mask"][a:b]) for a, b in zip(starts, ends)]
+
+
+# -- training -----------------------------------------------------------------------------------
+
+def sequence_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_size: int, max_len: int,
+                     pad: int, seed: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """batch(step): `batch_size` sequences drawn by (seed, step), right-padded, shifted by one;
+    targets are trained only where the mask marks a completion token."""
+    def batch(step: int):
+        rng = random.Random(seed * 1_000_003 + step)
+        picked = [seqs[rng.randrange(len(seqs))] for _ in range(batch_size)]
+        T = min(max_len, max(len(ids) for ids, _ in picked)) - 1
+        ids = torch.full((batch_size, T + 1), pad, dtype=torch.long)
+        mask = torch.zeros(batch_size, T + 1, dtype=torch.bool)
+        for b, (s, m) in enumerate(picked):
+            n = min(len(s), T + 1)
+            ids[b, :n] = torch.from_numpy(s[:n].astype(np.int64))
+            mask[b, :n] = torch.from_numpy(m[:n].astype(bool))
+        return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+    return batch
+
+
+def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
+        log: Callable[[dict], None] = print) -> dict:
+    """Fine-tune the checkpoint in `start_dir` on `data` (see `collect`); write `out/model`."""
+    from agent_runtime.model import load_model, load_tokenizer, save_model
+    from learner.recipe.pretrain import MAX_SHARD_BYTES, copy_tokenizer, pick_device
+
+    device = pick_device(config.device)
+    tok = load_tokenizer(start_dir)
+    model = load_model(start_dir, dtype="float32")
+    seqs = load_sequences(data)
+    if not seqs:
+        raise ValueError(f"{data}: no SFT sequences")
+    pad = tok.special_tokens["<|endoftext|>"]
+    batch = sequence_batches(seqs, config.batch_size, config.max_len, pad, config.seed)
+    result = train_lm(model, batch, config.train, out / "state", device, log=log)
+    save_model(model, out / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)
+    copy_tokenizer(start_dir, out / "model")
+    return {"sequences": len(seqs), "device": device, "seconds": result["seconds"],
+            "steps": result["steps"], "final_loss": (result["history"] or [{}])[-1].get("loss"),
+            "history": result["history"], "config": asdict(config)}

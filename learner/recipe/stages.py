@@ -1,0 +1,193 @@
+"""The recipe's stages, run in order with resume: tokenizer, corpus, pretrain, sft, grpo, eval.
+
+Each stage writes into its own folder under the recipe folder and ends by writing
+`metrics.json` (its numbers, its wall time and its config). A stage whose `metrics.json`
+exists is done and is skipped; a stage that was interrupted is run again, and the training
+stages continue from their last `state.pt` (the GRPO stage from the learner's checkpoints),
+so rerunning the same command resumes the recipe. Checkpoints are HF-format folders
+(`pretrain/model`, `sft/model`, `grpo/model`) with the tokenizer and chat template inside.
+
+It does not define what a stage computes (the stage modules do) or parse command lines.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from learner.recipe.evaluate import EvalConfig, evaluate_model
+from learner.recipe.lm import write_json
+from learner.recipe.pretrain import PretrainConfig
+from learner.recipe.sft import SFTConfig
+from learner.recipe.tokenizer_stage import TokenizerConfig
+
+STAGES = ("tokenizer", "corpus", "pretrain", "sft_data", "sft", "grpo", "eval")
+
+
+@dataclass
+class GRPOStageConfig:
+    steps: int = 40                 # optimizer steps
+    group_size: int = 8             # episodes per task (G)
+    groups_per_step: int = 2        # task groups per training batch
+    lr: float = 5e-6                # AdamW learning rate
+    temperature: float = 1.0        # rollout sampling temperature
+    max_new_tokens: int = 384       # per model call in rollouts
+    max_steps: int = 12             # model calls per episode
+    workers: int = 4                # rollout workers (policy copies), async pipeline
+    max_seconds: float = 0.0        # stop early after this wall time (0 = no limit)
+    device: str = "auto"            # trainer and rollout device
+    seed: int = 0
+
+
+@dataclass
+class RecipeConfig:
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def stage_done(out: Path, stage: str) -> dict | None:
+    path = out / stage / "metrics.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES,
+               log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Run `stages` (in recipe order) into `out`, skipping finished ones; returns metrics."""
+    out = Path(out)
+    results: dict[str, dict] = {}
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        done = stage_done(out, stage)
+        if done is not None:
+            log(f"[{stage}] done already ({done.get('seconds', 0):.0f}s); skipped")
+            results[stage] = done
+            continue
+        log(f"[{stage}] running")
+        t0 = time.time()
+        metrics = RUNNERS[stage](out, config, lambda row, s=stage: log(f"[{s}] {_fmt(row)}"))
+        metrics["seconds"] = time.time() - t0
+        metrics["config"] = _stage_config(config, stage)
+        write_json(out / stage / "metrics.json", metrics)
+        log(f"[{stage}] finished in {metrics['seconds']:.0f}s: {_fmt(_headline(metrics))}")
+        results[stage] = metrics
+    return results
+
+
+def _fmt(row: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+def _headline(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not isinstance(v, (dict, list))}
+
+
+def _stage_config(config: RecipeConfig, stage: str) -> dict:
+    part = {"tokenizer": config.tokenizer, "corpus": config.pretrain, "pretrain": config.pretrain,
+            "sft_data": config.sft, "sft": config.sft, "grpo": config.grpo, "eval": config.eval}
+    return asdict(part[stage])
+
+
+# -- the stages ---------------------------------------------------------------------------------
+
+def _tokenizer(out: Path, config: RecipeConfig, log) -> dict:
+    from learner.recipe import tokenizer_stage
+    return tokenizer_stage.run(out / "tokenizer", config.tokenizer)
+
+
+def _corpus(out: Path, config: RecipeConfig, log) -> dict:
+    from agent_runtime.model import load_tokenizer
+    from learner.recipe.pretrain import encode_corpus
+    from learner.recipe.tokenizer_stage import corpus_files
+    files = corpus_files(max_file_bytes=config.tokenizer.max_file_bytes)
+    return encode_corpus(load_tokenizer(out / "tokenizer"), files, config.pretrain,
+                         out / "corpus" / "corpus.npz")
+
+
+def _pretrain(out: Path, config: RecipeConfig, log) -> dict:
+    from learner.recipe import pretrain
+    return pretrain.run(out / "tokenizer", out / "corpus" / "corpus.npz", out / "pretrain",
+                        config.pretrain, log)
+
+
+def _sft_data(out: Path, config: RecipeConfig, log) -> dict:
+    from learner.recipe import sft
+    return sft.collect(out / "tokenizer", out / "sft_data" / "data.npz", config.sft)
+
+
+def _sft(out: Path, config: RecipeConfig, log) -> dict:
+    from learner.recipe import sft
+    return sft.run(out / "pretrain" / "model", out / "sft_data" / "data.npz", out / "sft",
+                   config.sft, log)
+
+
+def _grpo(out: Path, config: RecipeConfig, log) -> dict:
+    """GRPO with the learner's pipeline (router replay on) from the SFT checkpoint."""
+    from agent_runtime.engine_policy import EnginePolicy
+    from agent_runtime.model import save_model
+    from agent_runtime.store import SessionStore
+    from learner import config as lc
+    from learner.pipeline import build
+    from learner.recipe.pretrain import MAX_SHARD_BYTES, copy_tokenizer, pick_device
+    from learner.versions import VersionStore
+
+    g = config.grpo
+    device = pick_device(g.device)
+    start = out / "sft" / "model"
+    run_dir = out / "grpo" / "run"
+    cfg = lc.RunConfig(
+        model=str(start), tasks="sim",
+        trainer=lc.TrainerConfig(optim=lc.OptimConfig(lr=g.lr), router_replay=True,
+                                 temperature=g.temperature, device=device, seed=g.seed,
+                                 checkpoint_every=5),
+        rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
+                                 max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
+                                 workers=g.workers),
+        pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
+                                   seed=g.seed))
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def factory():
+        return EnginePolicy.load(str(start), dtype="bfloat16", device=device,
+                                 temperature=g.temperature, max_new_tokens=g.max_new_tokens)
+
+    with SessionStore(out / "grpo" / "home") as store:
+        pipe = build(cfg, run_dir, store, VersionStore(out / "grpo" / "versions"), factory)
+        stats = pipe.run(max_seconds=g.max_seconds or None,
+                         on_step=lambda row: log({k: row.get(k) for k in (
+                             "step", "version", "reward_mean", "pass_rate", "kl", "flip_rate")
+                             if row.get(k) is not None}))
+        trainer = pipe.trainer
+        trainer.save_checkpoint({"cursor": pipe.cursor})
+        save_model(trainer.model, out / "grpo" / "model", dtype="bfloat16",
+                   max_shard_bytes=MAX_SHARD_BYTES)
+        copy_tokenizer(start, out / "grpo" / "model")
+        rows = trainer.metrics()
+    passes = [r["pass_rate"] for r in rows if r.get("pass_rate") is not None]
+    return {"steps": trainer.step_count, "version": trainer.version, "device": device,
+            "episodes_trained": stats.episodes_trained, "wall_s": stats.wall_s,
+            "train_pass_rate_first": passes[0] if passes else None,
+            "train_pass_rate_last": passes[-1] if passes else None,
+            "history": rows}
+
+
+def _eval(out: Path, config: RecipeConfig, log) -> dict:
+    """Held-out pass@1 of the SFT and GRPO checkpoints, side by side."""
+    result = {}
+    for name in ("sft", "grpo"):
+        model = out / name / "model"
+        if (model / "config.json").exists():
+            m = evaluate_model(model, config.eval)
+            log({"model": name, "pass_at_1": m["pass_at_1"], "n": m["n"]})
+            result[name] = m
+    return result
+
+
+RUNNERS = {"tokenizer": _tokenizer, "corpus": _corpus, "pretrain": _pretrain,
+           "sft_data": _sft_data, "sft": _sft, "grpo": _grpo, "eval": _eval}
