@@ -50,6 +50,11 @@ def _agent_options(fn):
                           "summarized at 80% of it."),
         click.option("--json", "as_json", is_flag=True,
                      help="Write events as JSON lines instead of a readable transcript."),
+        click.option("--connect", metavar="URL", envvar="APPRENTICE_CONNECT",
+                     help="Follow a version server (`apprentice serve`): new policy versions "
+                          "are applied between model calls."),
+        click.option("--token", envvar="APPRENTICE_TOKEN", default="",
+                     help="Bearer token for --connect (or set $APPRENTICE_TOKEN)."),
     ]):
         fn = option(fn)
     return fn
@@ -64,7 +69,8 @@ def _agent_options(fn):
                    "and leave the original untouched.")
 @_agent_options
 def run(task: str, workspace: Path, copy_workspace: bool, model: str, policy_spec: str | None,
-        max_steps: int, context_window: int | None, as_json: bool) -> None:
+        max_steps: int, context_window: int | None, as_json: bool, connect: str | None,
+        token: str) -> None:
     """Run the agent headless on TASK in a workspace, streaming the transcript.
 
     Exits 0 when the agent called finish, 1 when the run failed, 2 when the step budget
@@ -77,12 +83,14 @@ def run(task: str, workspace: Path, copy_workspace: bool, model: str, policy_spe
         shutil.copytree(workspace, target, symlinks=True)
         click.echo(f"working on a copy: {target}", err=True)
         workspace = target
-    agent = _make_agent(store, workspace, model, policy_spec, max_steps, context_window, as_json)
+    agent = _make_agent(store, workspace, model, policy_spec, max_steps, context_window, as_json,
+                        connect, token)
     _finish(agent, agent.run(task), as_json)
 
 
 def _make_agent(store: Any, workspace: Path, model: str, policy_spec: str | None,
-                max_steps: int, context_window: int | None, as_json: bool) -> Any:
+                max_steps: int, context_window: int | None, as_json: bool,
+                connect: str | None = None, token: str = "") -> Any:
     from agent_runtime.agent import Agent, AgentConfig
     from agent_runtime.policy import load_policy
     try:
@@ -91,6 +99,14 @@ def _make_agent(store: Any, workspace: Path, model: str, policy_spec: str | None
         raise click.ClickException(f"cannot load policy {policy_spec or model!r}: {exc}")
     if context_window:
         policy.context_window = context_window
+    if connect:
+        from agent_runtime.subscriber import follow
+        policy, subscriber = follow(policy, connect, token, store)
+        if subscriber is None:
+            click.secho("warning: --connect ignored: a replay script has no weights to update",
+                        err=True, fg="yellow")
+        else:
+            click.echo(f"following {connect}: {subscriber.status}", err=True)
     transcript = Transcript(as_json)
     agent = Agent(policy, store=store, workspace=workspace,
                   config=AgentConfig(max_steps=max_steps), callbacks=transcript.callbacks())
@@ -180,42 +196,21 @@ class Transcript:
 
 
 class _ToolCallFilter:
-    """Passes streamed text through, minus `<tool_call>` blocks (shown as tool events) and
-    trailing blank lines."""
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    """Streamed text minus `<tool_call>` blocks (shown as tool events), as increments of
+    `toolcalls.visible_text`, which only ever grows while a message streams."""
 
     def __init__(self):
-        self.buffer, self.inside, self.started = "", False, False
+        self.raw, self.sent = "", 0
 
     def feed(self, text: str, end: bool = False) -> str:
-        self.buffer += text
-        out = []
-        while True:
-            tag = self.CLOSE if self.inside else self.OPEN
-            at = self.buffer.find(tag)
-            if at < 0:
-                break
-            if not self.inside:
-                out.append(self.buffer[:at])
-            self.buffer, self.inside = self.buffer[at + len(tag):], not self.inside
-        if self.inside:
-            self.buffer = self.buffer[-len(self.CLOSE):]
-        else:                                  # hold back a possible tag start and whitespace
-            keep = next((n for n in range(len(self.OPEN) - 1, 0, -1)
-                         if self.buffer.endswith(self.OPEN[:n])), 0)
-            cut = len(self.buffer) - keep
-            out.append(self.buffer[:cut])
-            self.buffer = self.buffer[cut:]
-        text = "".join(out)
-        if not self.started:
-            text = text.lstrip()
-        stripped = text.rstrip()
-        self.buffer = ("" if end else text[len(stripped):]) + self.buffer
-        self.started = self.started or bool(stripped)
+        from agent_runtime.toolcalls import visible_text
+        self.raw += text
+        visible = visible_text(self.raw)
+        out, self.sent = visible[self.sent:], len(visible)
         if end:
-            stripped += "\n" if self.started else ""
-            self.buffer, self.inside, self.started = "", False, False
-        return stripped
+            out += "\n" if visible else ""
+            self.raw, self.sent = "", 0
+        return out
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -312,7 +307,8 @@ def _show_message(m: dict, full: bool) -> None:
               help="A user message to add before continuing.")
 @_agent_options
 def sessions_resume(session_id: str, message: str | None, model: str, policy_spec: str | None,
-                    max_steps: int, context_window: int | None, as_json: bool) -> None:
+                    max_steps: int, context_window: int | None, as_json: bool,
+                    connect: str | None, token: str) -> None:
     """Continue a session (after a crash, a cancel, a budget stop or a finish).
 
     The context is rebuilt from the store: system prompt, task, the latest segment's summary
@@ -324,7 +320,8 @@ def sessions_resume(session_id: str, message: str | None, model: str, policy_spe
     workspace = Path(session["workspace"])
     if not workspace.is_dir():
         raise click.ClickException(f"the session's workspace {workspace} no longer exists")
-    agent = _make_agent(store, workspace, model, policy_spec, max_steps, context_window, as_json)
+    agent = _make_agent(store, workspace, model, policy_spec, max_steps, context_window, as_json,
+                        connect, token)
     _finish(agent, agent.resume(session["id"], message=message), as_json)
 
 

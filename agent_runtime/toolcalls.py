@@ -246,3 +246,14 @@ def _placeholder(schema: dict[str, Any]) -> Any:
         return schema["enum"][0]
     return {"integer": 1, "number": 1.0, "boolean": True, "array": [], "object": {}}.get(
         t, "<" + (t or "value") + ">")
+
+
+def visible_text(raw: str) -> str:
+    """Assistant text as a user should see it while it streams: `<tool_call>` blocks (shown
+    as tool events instead) removed, a tag still arriving held back, outer whitespace stripped."""
+    text = _BLOCK.sub("", raw)                 # exactly the blocks the parser reads as calls
+    for n in range(len(OPEN) - 1, 0, -1):
+        if text.endswith(OPEN[:n]):
+            text = text[:-n]
+            break
+    return text.strip()

@@ -22,8 +22,8 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Collapsible, Static
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r".*?(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
+from agent_runtime.toolcalls import visible_text
+
 RESULT_LINES = 40                              # lines of a tool result shown in a panel
 OPEN_PANELS = {"edit_file", "write_file", "run_command"}   # shown expanded
 SYNTAX_THEME = "monokai"
@@ -32,16 +32,6 @@ SYNTAX_THEME = "monokai"
 def _syntax(code: str, lexer: str) -> Any:
     from rich.syntax import Syntax             # pygments: imported on first use, not at start
     return Syntax(code, lexer, theme=SYNTAX_THEME, word_wrap=True)
-
-
-def visible_text(raw: str) -> str:
-    """Streamed assistant text without `<tool_call>` blocks (those become tool panels)."""
-    text = _BLOCK.sub("", raw)
-    for n in range(len(OPEN) - 1, 0, -1):      # hold back a tag that is still arriving
-        if text.endswith(OPEN[:n]):
-            text = text[:-n]
-            break
-    return text.strip()
 
 
 def clip(text: str, lines: int = RESULT_LINES) -> str:
