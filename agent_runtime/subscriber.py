@@ -288,6 +288,75 @@ def _error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
+class FollowingPolicy:
+    """A policy that takes on the version its `Subscriber` staged, before each model call.
+
+    Wrapping the policy keeps swaps between model calls, so a generation always finishes on
+    the weights it started with, and every sample carries the version that produced it.
+    """
+
+    def __init__(self, policy: Any, subscriber: "Subscriber",
+                 on_swap: Callable[[int, str | None], None] | None = None):
+        self.policy, self.subscriber, self.on_swap = policy, subscriber, on_swap
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    @property
+    def context_window(self) -> int:
+        return self.policy.context_window
+
+    @context_window.setter
+    def context_window(self, value: int) -> None:
+        self.policy.context_window = value
+
+    def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        return self.policy.count_tokens(messages, tools)
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, **kw: Any) -> Any:
+        self.swap()
+        return self.policy.complete(messages, tools, **kw)
+
+    def swap(self) -> int | None:
+        policy = self.policy
+
+        def apply(patch: delta.Patch) -> None:
+            policy.swap_state(lambda _state: patch.commit(policy.model), patch.to_version)
+
+        version = self.subscriber.poll_swap(apply)
+        if version is None:
+            known = self.subscriber.version            # the server recognised our weights
+            if known is not None and known != policy.version:
+                policy.version = known
+            return None
+        if self.on_swap is not None:
+            self.on_swap(version, self.subscriber.sha256)
+        return version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+
+def follow(policy: Any, url: str, token: str, store: Any = None) -> tuple[Any, "Subscriber | None"]:
+    """(policy, subscriber): follow the version server at `url` when the policy has weights
+    to swap (an engine policy; a replay script has none: returned as is, subscriber None).
+    Each applied version is recorded in `store` when one is given."""
+    if not hasattr(policy, "swap_state") or not hasattr(policy, "model"):
+        return policy, None
+    subscriber = Subscriber(policy.model, url, token).start()
+
+    def record(version: int, sha256: str | None) -> None:
+        if store is not None and sha256:
+            store.record_policy_version(version, sha256, source=url)
+
+    return FollowingPolicy(policy, subscriber, on_swap=record), subscriber
+
+
 def main(argv: list[str] | None = None) -> None:
     """Headless follower: load a state, follow a server, print `at VERSION SHA256 TIME`."""
     import argparse

@@ -2,8 +2,8 @@
 
 `Settings` is what the `tui` command hands the app. `load` turns the policy options into a
 policy or a message the app shows instead of crashing (no default model is shipped yet).
-`FollowingPolicy` lets a policy take on versions a `Subscriber` staged from the learner's
-version server, between model calls. Nothing here touches Textual or runs the agent.
+`follow` wraps a policy so it takes on the versions a learner's version server publishes
+(`agent_runtime.subscriber.FollowingPolicy`). Nothing here touches Textual or runs the agent.
 """
 
 from __future__ import annotations
@@ -70,68 +70,12 @@ def short_path(path: str | Path) -> str:
         return str(path)
 
 
-class FollowingPolicy:
-    """A policy that applies the version the subscriber staged before each model call.
-
-    The agent loop does not poll for new versions itself; wrapping the policy keeps the swap
-    between model calls, so a generation always finishes on the weights it started with.
-    """
-
-    def __init__(self, policy: Any, subscriber: Any,
-                 on_swap: Callable[[int, str | None], None] | None = None):
-        self.policy, self.subscriber, self.on_swap = policy, subscriber, on_swap
-
-    @property
-    def name(self) -> str:
-        return self.policy.name
-
-    @property
-    def version(self) -> int:
-        return self.policy.version
-
-    @property
-    def context_window(self) -> int:
-        return self.policy.context_window
-
-    def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
-        return self.policy.count_tokens(messages, tools)
-
-    def complete(self, messages: list[dict], tools: list[dict] | None = None, **kw: Any) -> Any:
-        self.swap()
-        return self.policy.complete(messages, tools, **kw)
-
-    def swap(self) -> int | None:
-        policy = self.policy
-
-        def apply(patch: Any) -> None:
-            policy.swap_state(lambda _state: patch.commit(policy.model), patch.to_version)
-
-        version = self.subscriber.poll_swap(apply)
-        if version is not None and self.on_swap is not None:
-            self.on_swap(version, self.subscriber.sha256)
-        return version
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.policy, name)
-
-
 def follow(policy: Any, settings: Settings, store: Any) -> tuple[Any, Any]:
     """(policy, subscriber): start following `settings.connect` when the policy can swap."""
     if not settings.connect or policy is None:
         return policy, None
-    if not hasattr(policy, "swap_state") or not hasattr(policy, "model"):
-        return policy, None
-    from agent_runtime.subscriber import Subscriber
-    subscriber = Subscriber(policy.model, settings.connect, settings.token).start()
-
-    def record(version: int, sha256: str | None) -> None:
-        try:
-            if sha256:
-                store.record_policy_version(version, sha256, source=settings.connect)
-        except ValueError as exc:              # a conflicting record must not stop the agent
-            log.warning("policy version %s not recorded: %s", version, exc)
-
-    return FollowingPolicy(policy, subscriber, on_swap=record), subscriber
+    from agent_runtime.subscriber import follow as follow_server
+    return follow_server(policy, settings.connect, settings.token, store)
 
 
 def learner_status(settings: Settings, policy: Any, subscriber: Any) -> str:

@@ -4,7 +4,7 @@ import json
 from types import SimpleNamespace
 
 from tui import runner
-from tui.runner import FollowingPolicy, Settings
+from tui.runner import Settings
 
 
 def test_replay_spec_loads_the_scripted_policy(tmp_path):
@@ -41,21 +41,6 @@ def test_short_path_writes_home_as_tilde(tmp_path):
     assert runner.short_path("/elsewhere") == "/elsewhere"
 
 
-class FakeEngine:
-    name, context_window = "m", 4096
-
-    def __init__(self):
-        self.version, self.model, self.calls = 0, {"w": 0}, []
-
-    def swap_state(self, update, version):
-        update({})
-        self.version = version
-
-    def complete(self, messages, tools=None, **kw):
-        self.calls.append(self.version)
-        return "done"
-
-
 class FakeSubscriber:
     status, sha256 = "v1 · up to date", "ab" * 32
 
@@ -68,18 +53,6 @@ class FakeSubscriber:
         patch, self.staged = self.staged, None
         apply(patch)
         return patch.to_version
-
-
-def test_following_policy_swaps_between_model_calls():
-    engine = FakeEngine()
-    patch = SimpleNamespace(to_version=1, commit=lambda model: model.update(w=1))
-    swaps = []
-    policy = FollowingPolicy(engine, FakeSubscriber(patch), on_swap=lambda v, s: swaps.append(v))
-    assert policy.version == 0
-    policy.complete([])
-    policy.complete([])
-    assert engine.calls == [1, 1] and engine.model == {"w": 1}
-    assert policy.version == 1 and swaps == [1]
 
 
 def test_learner_status_reads_the_subscriber():
