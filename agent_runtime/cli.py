@@ -21,11 +21,24 @@ EXIT_CODES = {"finished": 0, "failed": 1, "budget_exhausted": 2, "cancelled": 13
 RESULT_LINES = 12                              # lines of a tool result shown in the transcript
 
 
-@click.group(invoke_without_command=True)
+class _Main(click.Group):
+    """Bare `apprentice [OPTIONS]` (options, no command) means `apprentice tui [OPTIONS]`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0].startswith("-") and args[0] not in ("--help", "-h", "--version") \
+                and "tui" in self.commands:
+            args = ["tui", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_Main, invoke_without_command=True)
 @click.version_option(package_name="apprentice")
 @click.pass_context
 def main(ctx: click.Context) -> None:
-    """apprentice: a local coding agent whose own MoE model learns from how you use it."""
+    """apprentice: a local coding agent whose own MoE model learns from how you use it.
+
+    With no command, opens the terminal UI on the current directory (options such as
+    `-w DIR`, `--model PATH` or `--policy replay:FILE` are passed to it)."""
     if ctx.invoked_subcommand is None:
         if "tui" in main.commands:                     # registered by the tui package
             ctx.invoke(main.commands["tui"])

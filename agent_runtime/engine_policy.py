@@ -10,7 +10,6 @@ not parse tool calls (the agent loop does) and never imports the learner.
 from __future__ import annotations
 
 import codecs
-import os
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,25 +19,9 @@ import torch
 
 from agent_runtime.model import MoEModel, load_model, load_tokenizer
 from agent_runtime.model.generate import Generation, SamplingParams, generate
-from agent_runtime.policy import Completion
+from agent_runtime.policy import Completion, resolve_model_path
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
-
-
-def resolve_model_path(spec: str) -> Path:
-    """`"default"` -> the model shipped in the package (or $APPRENTICE_DEFAULT_MODEL); else a path."""
-    if spec == "default":
-        path = Path(os.environ.get("APPRENTICE_DEFAULT_MODEL", DEFAULT_MODEL_DIR))
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"no default model at {path}: this build ships none yet. Pass --model PATH (an HF "
-                "MoE checkpoint directory) or --policy replay:FILE")
-        return path
-    path = Path(spec).expanduser()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
-    return path
 
 
 @dataclass

@@ -8,8 +8,12 @@ This module does not render prompts itself; the policy's `ChatTemplate` does.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
 
 
 @dataclass
@@ -43,10 +47,27 @@ class Policy(Protocol):
         ...
 
 
+def resolve_model_path(spec: str) -> Path:
+    """`"default"` -> the model shipped in the package (or $APPRENTICE_DEFAULT_MODEL); else a
+    checkpoint directory. Raises FileNotFoundError with what to do instead (no torch needed)."""
+    if spec == "default":
+        path = Path(os.environ.get("APPRENTICE_DEFAULT_MODEL", DEFAULT_MODEL_DIR))
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"no default model at {path}: this build ships none yet. Pass --model PATH (an HF "
+                "MoE checkpoint directory) or --policy replay:FILE")
+        return path
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
+    return path
+
+
 def load_policy(spec: str = "default", **kwargs: Any) -> Policy:
     """Build a policy from `"default"`, a checkpoint path, or `"replay:FILE"`."""
     if spec.startswith("replay:"):
         from agent_runtime.replay_policy import ReplayPolicy
         return ReplayPolicy.from_file(spec[len("replay:"):], **kwargs)
+    resolve_model_path(spec)                   # fail fast, before importing torch
     from agent_runtime.engine_policy import EnginePolicy
     return EnginePolicy.load(spec, **kwargs)

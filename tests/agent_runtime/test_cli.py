@@ -145,3 +145,9 @@ def test_sessions_resume_continues_and_finishes(home, workspace, tmp_path):
                  "--message", "please wrap up")
     assert out.exit_code == 0 and "resumed and done" in out.output
     assert latest_session(home)["status"] == "finished"
+
+
+def test_bare_apprentice_with_options_goes_to_the_tui():
+    result = CliRunner().invoke(main, ["--max-steps", "3", "--help"])
+    assert result.exit_code == 0
+    assert "tui [OPTIONS]" in result.output and "--policy" in result.output
