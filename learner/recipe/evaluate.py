@@ -11,6 +11,7 @@ It does not format reports for people (`learner.eval` does) and it does not trai
 from __future__ import annotations
 
 import multiprocessing
+import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ class EvalConfig:
     split: str = "heldout"          # "heldout" or "train"
     seed: int = 0                   # generate(split, n, seed)
     max_steps: int = 20             # model calls per episode
-    processes: int = 1              # episode processes (each loads the model)
+    processes: int = 0              # episode processes, each loads the model (0: cores - 2)
     device: str = "auto"            # "auto": cuda when available, else cpu
     threads: int = 1                # torch threads per process on CPU
 
@@ -61,7 +62,7 @@ def _shard(args: tuple) -> list[dict]:
 
 def evaluate_model(model_dir: Path, config: EvalConfig) -> dict:
     """pass@1, per-family pass rates and means over `config.n` simulated tasks."""
-    k = max(1, min(config.processes, config.n))
+    k = max(1, min(config.processes or (os.cpu_count() or 2) - 2, config.n, 14))
     chunks = [(str(model_dir), list(range(i, config.n, k)), config) for i in range(k)]
     if k == 1:
         parts = [_shard(chunks[0])]

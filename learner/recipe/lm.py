@@ -41,13 +41,16 @@ class LMConfig:
     checkpoint_every: int = 200     # steps between resumable checkpoints (and at the end)
     log_every: int = 20             # steps between metric rows
     max_seconds: float = 0.0        # stop early after this wall time (0 = no limit)
+    fit_to_time: bool = False       # with max_seconds: after 10 and 50 steps, shorten `steps` (and
+                                    # the schedule) to what fits; the plan is saved for resuming
     seed: int = 0                   # torch seed of initialization-independent randomness
 
 
-def lr_at(step: int, c: LMConfig) -> float:
+def lr_at(step: int, c: LMConfig, total: int | None = None) -> float:
+    total = c.steps if total is None else total
     if step < c.warmup:
         return c.lr * (step + 1) / c.warmup
-    progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+    progress = (step - c.warmup) / max(1, total - c.warmup)
     return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
@@ -93,7 +96,8 @@ def make_optimizer(model: MoEModel, c: LMConfig) -> torch.optim.AdamW:
     other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
                               {"params": other, "weight_decay": 0.0}],
-                             lr=c.lr, betas=tuple(c.betas), fused=None)
+                             lr=c.lr, betas=tuple(c.betas),
+                             fused=next(model.parameters()).is_cuda)
 
 
 def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_dir: Path,
@@ -103,13 +107,14 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
     state_dir.mkdir(parents=True, exist_ok=True)
     model.to(device=device, dtype=torch.float32).train()
     opt = make_optimizer(model, c)
-    start, history = 0, []
+    start, history, total = 0, [], c.steps
     state_path = state_dir / "state.pt"
     if state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
+        total = state.get("total", c.steps) if c.fit_to_time else c.steps
         log({"resumed_at": start})
     torch.manual_seed(c.seed + start)
     stats = RouterStats(model)
@@ -118,9 +123,9 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
     t0, tokens, step = time.time(), 0, start
     window: list[float] = []
     try:
-        for step in range(start, c.steps):
+        while step < total:
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, c)
+                g["lr"] = lr_at(step, c, total)
             ids, targets, mask = (t.to(device, non_blocking=True) for t in batch(step))
             with autocast:
                 logits = model(ids).logits
@@ -132,35 +137,39 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
             opt.step()
             tokens += int(mask.sum())
             window.append(loss.item())
-            done = step + 1
-            if done % c.log_every == 0 or done == c.steps:
+            step = done = step + 1
+            if c.fit_to_time and c.max_seconds and done - start in (10, 50):
+                per_step = (time.time() - t0) / (done - start)
+                total = min(total, done + int((c.max_seconds - (time.time() - t0)) / per_step))
+                log({"planned_steps": total, "seconds_per_step": per_step})
+            if done % c.log_every == 0 or done == total:
                 row = {"step": done, "loss": sum(window) / len(window), "aux": aux.item(),
-                       "grad_norm": float(norm), "lr": lr_at(step, c),
+                       "grad_norm": float(norm), "lr": lr_at(done - 1, c, total),
                        "tokens_per_s": tokens / max(time.time() - t0, 1e-9)}
-                if evaluate is not None and eval_every and (done % eval_every == 0 or done == c.steps):
+                if evaluate is not None and eval_every and (done % eval_every == 0 or done == total):
                     row.update(evaluate())
                     model.train()
                 history.append(row)
                 log(row)
                 window = []
-            if done % c.checkpoint_every == 0 or done == c.steps:
-                _save_state(state_path, model, opt, done, history)
+            if done % c.checkpoint_every == 0 or done == total:
+                _save_state(state_path, model, opt, done, history, total)
             if c.max_seconds and time.time() - t0 > c.max_seconds:
                 log({"stopped_early_at": done, "seconds": time.time() - t0})
-                _save_state(state_path, model, opt, done, history)
+                _save_state(state_path, model, opt, done, history, total)
                 break
     finally:
         stats.close()
     model.eval()
-    return {"steps": step + 1 if c.steps > start else start, "seconds": time.time() - t0,
+    return {"steps": step, "planned_steps": total, "seconds": time.time() - t0,
             "history": history, "config": asdict(c)}
 
 
 def _save_state(path: Path, model: MoEModel, opt: torch.optim.Optimizer, step: int,
-                history: list[dict]) -> None:
+                history: list[dict], total: int) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "history": history}, tmp)
+                "history": history, "total": total}, tmp)
     os.replace(tmp, path)
 
 

@@ -32,12 +32,12 @@ class GRPOStageConfig:
     steps: int = 40                 # optimizer steps
     group_size: int = 8             # episodes per task (G)
     groups_per_step: int = 2        # task groups per training batch
-    lr: float = 5e-6                # AdamW learning rate
+    lr: float = 2e-5                # AdamW learning rate
     temperature: float = 1.0        # rollout sampling temperature
     max_new_tokens: int = 384       # per model call in rollouts
     max_steps: int = 12             # model calls per episode
-    workers: int = 4                # rollout workers (policy copies), async pipeline
-    max_seconds: float = 0.0        # stop early after this wall time (0 = no limit)
+    workers: int = 6                # rollout workers (policy copies), async pipeline
+    max_seconds: float = 90.0       # stop after this wall time (0 = no limit)
     device: str = "auto"            # trainer and rollout device
     seed: int = 0
 
@@ -165,7 +165,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
                              if row.get(k) is not None}))
         trainer = pipe.trainer
         trainer.save_checkpoint({"cursor": pipe.cursor})
-        save_model(trainer.model, out / "grpo" / "model", dtype="bfloat16",
+        save_model(trainer.model.to("cpu"), out / "grpo" / "model", dtype="bfloat16",
                    max_shard_bytes=MAX_SHARD_BYTES)
         copy_tokenizer(start, out / "grpo" / "model")
         rows = trainer.metrics()

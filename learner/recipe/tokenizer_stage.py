@@ -118,7 +118,8 @@ def word_counts(texts: Iterable[str], pat_str: str = DEFAULT_PAT_STR) -> Counter
 def train_bpe(counts: dict[bytes, int], n_merges: int) -> dict[bytes, int]:
     """Mergeable ranks (bytes -> rank): the 256 bytes, then up to `n_merges` learned tokens.
 
-    Each step merges the most frequent adjacent pair (ties: lowest pair of ids). A merge whose
+    Each step merges the most frequent adjacent pair (ties: the pair whose bytes sort first,
+    so the result does not depend on how ids were assigned). A merge whose
     bytes already form a token (reached by another split) reuses that token's id."""
     ranks = {bytes([b]): b for b in range(256)}
     vocab = [bytes([b]) for b in range(256)]                 # id -> bytes
@@ -130,11 +131,11 @@ def train_bpe(counts: dict[bytes, int], n_merges: int) -> dict[bytes, int]:
         for p in zip(w, w[1:]):
             pairs[p] += freq[i]
             where.setdefault(p, set()).add(i)
-    heap = [(-c, p) for p, c in pairs.items()]
+    heap = [(-c, vocab[p[0]], vocab[p[1]], p) for p, c in pairs.items()]
     heapq.heapify(heap)
     learned = 0
     while learned < n_merges and heap:
-        neg, pair = heapq.heappop(heap)
+        neg, _, _, pair = heapq.heappop(heap)
         if pairs.get(pair, 0) != -neg or neg == 0:
             continue                                         # stale entry
         merged = vocab[pair[0]] + vocab[pair[1]]
@@ -168,7 +169,7 @@ def train_bpe(counts: dict[bytes, int], n_merges: int) -> dict[bytes, int]:
         for p in touched:
             c = pairs.get(p, 0)
             if c > 0:
-                heapq.heappush(heap, (-c, p))
+                heapq.heappush(heap, (-c, vocab[p[0]], vocab[p[1]], p))
             else:
                 pairs.pop(p, None)
     return ranks

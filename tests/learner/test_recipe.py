@@ -1,0 +1,178 @@
+"""The default-model recipe at toy scale: BPE training, pre-training, SFT data, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agent_runtime.model import load_model, load_tokenizer
+from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
+from learner.recipe import tokenizer_stage as ts
+from learner.recipe.lm import LMConfig, train_lm
+from learner.recipe.pretrain import ModelShape, PretrainConfig, init_model, window_batches
+from learner.recipe.sft import merge_samples
+
+CODE = "".join(Path(m.__file__).read_text() for m in (json, random, ts))
+TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                  num_experts=8, top_k=2, expert_size=32, max_position=512)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok")
+    ranks = ts.train_bpe(ts.word_counts([CODE]), 200)
+    return ts.save_tokenizer(ts.build_tokenizer(ranks), out, DEFAULT_CHAT_TEMPLATE)
+
+
+def reference_bpe(counts: Counter, n_merges: int) -> list[bytes]:
+    """Textbook BPE: recount every pair after every merge (slow, obviously right)."""
+    words = {tuple(bytes([b]) for b in w): c for w, c in counts.items() if 1 < len(w) <= ts.MAX_WORD_BYTES}
+    learned: list[bytes] = []
+    for _ in range(n_merges):
+        pairs: Counter = Counter()
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] += c
+        if not pairs:
+            break
+        best = max(pairs.values())
+        a, b = min(p for p, c in pairs.items() if c == best)        # ties: lowest bytes first
+        if a + b not in learned:
+            learned.append(a + b)
+        merged = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + c
+        words = merged
+    return learned
+
+
+def test_bpe_matches_reference_trainer():
+    counts = ts.word_counts([Path(json.__file__).read_text()[:6000]])
+    ranks = ts.train_bpe(counts, 60)
+    learned = [t for t, r in sorted(ranks.items(), key=lambda kv: kv[1]) if r >= 256]
+    ref = reference_bpe(counts, 60)
+    assert learned == ref[:len(learned)] and len(learned) >= 55
+
+
+def test_tokenizer_round_trips_and_reloads(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    text = CODE[:3000] + "\n# ünïcode ✓ \x00 tabs\t\tend"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode()) / 1.5            # merges compress code
+    for marker in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"):
+        assert len(tok.encode(marker)) == 1
+    assert tok.eos_token_id == tok.encode("<|im_end|>")[0]
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == DEFAULT_CHAT_TEMPLATE and config["eos_token"] == "<|im_end|>"
+
+
+def test_corpus_split_is_by_file_and_stable():
+    names = [f"stdlib/pkg/mod{i}.py" for i in range(2000)]
+    held = [n for n in names if ts.is_heldout(n, 2)]
+    assert 10 < len(held) < 80
+    assert held == [n for n in names if ts.is_heldout(n, 2)]
+
+
+def _tiny_model(tok_dir: Path, seed: int = 0):
+    return init_model(TINY, load_tokenizer(tok_dir), seed)
+
+
+def test_pretraining_lowers_the_loss(tok_dir, tmp_path):
+    tok = load_tokenizer(tok_dir)
+    data = np.asarray(tok.encode(CODE), dtype=np.uint16)
+    model = _tiny_model(tok_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = LMConfig(steps=12, lr=1e-2, warmup=2, log_every=4, checkpoint_every=12)
+    result = train_lm(model, window_batches(data, 32, 4, 0), cfg, tmp_path / "state", log=lambda r: None)
+    losses = [r["loss"] for r in result["history"]]
+    assert losses[-1] < losses[0] - 0.5
+    assert all(not torch.equal(before[k], v) for k, v in model.state_dict().items()
+               if k.endswith(("experts.gate_up", "embed_tokens.weight")))
+
+
+def test_training_resumes_exactly(tok_dir, tmp_path):
+    data = np.asarray(load_tokenizer(tok_dir).encode(CODE), dtype=np.uint16)
+    batch = window_batches(data, 32, 4, 0)
+    cfg = LMConfig(steps=6, lr=5e-3, warmup=1, log_every=2, checkpoint_every=2)
+    straight = _tiny_model(tok_dir)
+    train_lm(straight, batch, cfg, tmp_path / "a", log=lambda r: None)
+
+    def killed_at_4(step):
+        if step == 4:
+            raise KeyboardInterrupt                           # the process dies here
+        return batch(step)
+    with pytest.raises(KeyboardInterrupt):
+        train_lm(_tiny_model(tok_dir), killed_at_4, cfg, tmp_path / "b", log=lambda r: None)
+    seen = []
+    again = _tiny_model(tok_dir, seed=1)                     # weights come from the state file
+    train_lm(again, batch, cfg, tmp_path / "b", log=seen.append)
+    assert {"resumed_at": 4} in seen
+    for k, v in straight.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v)
+
+
+def test_sft_mask_covers_only_completions():
+    eos = 99
+    samples = [
+        {"prompt_ids": [1, 2, 3], "completion_ids": [10, 11], "finish_reason": "stop"},
+        {"prompt_ids": [1, 2, 3, 10, 11, eos, 4, 5], "completion_ids": [12, eos], "finish_reason": "eos"},
+        {"prompt_ids": [1, 7], "completion_ids": [13], "finish_reason": "length"},   # new segment
+    ]
+    seqs, merged = merge_samples(samples, eos)
+    assert merged == 1
+    (ids, mask), (ids2, mask2) = seqs
+    assert ids == [1, 2, 3, 10, 11, eos, 4, 5, 12, eos]
+    assert [t for t, m in zip(ids, mask) if m] == [10, 11, eos, 12, eos]
+    assert [t for t, m in zip(ids2, mask2) if m] == [13]         # cut off: no eos added
+
+
+def test_sft_data_comes_from_the_real_agent_loop(tok_dir, tmp_path, monkeypatch):
+    from learner.recipe import sft
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    out = sft._collect_chunk((str(tok_dir), [1], [10**6], 0))    # no summaries
+    assert out["passed"] == 1 and out["seqs"]
+    tok = load_tokenizer(tok_dir)
+    ids, mask = out["seqs"][0]
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    prompt = tok.decode(ids[:mask.index(1)])
+    assert prompt.startswith("<|im_start|>system\nYou are apprentice") and "<tools>" in prompt
+    assert trained.count("<|im_end|>") == trained.count("<tool_call>") >= 2
+    assert '"name": "finish"' in trained and "<tool_response>" not in trained
+
+
+def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir, tmp_path):
+    from learner.recipe import RecipeConfig, run_recipe
+    out = tmp_path / "recipe"
+    (out / "tokenizer").mkdir(parents=True)
+    for f in tok_dir.iterdir():
+        (out / "tokenizer" / f.name).write_bytes(f.read_bytes())
+    tok = load_tokenizer(tok_dir)
+    ids = np.asarray(tok.encode(CODE), dtype=np.uint16)
+    (out / "corpus").mkdir()
+    np.savez_compressed(out / "corpus" / "corpus.npz", train=ids[:-2000], heldout=ids[-2000:])
+    config = RecipeConfig(pretrain=PretrainConfig(
+        shape=TINY, train=LMConfig(steps=3, warmup=1, log_every=1, checkpoint_every=3),
+        seq_len=32, batch_size=2, eval_windows=4, device="cpu"))
+    first = run_recipe(out, config, ("pretrain",), log=lambda s: None)["pretrain"]
+    assert first["heldout_ppl"] > 1 and first["steps"] == 3
+    model = load_model(out / "pretrain" / "model")
+    assert model.args.num_experts == 8 and model.args.top_k == 2 and model.dtype == torch.bfloat16
+    assert load_tokenizer(out / "pretrain" / "model").vocab_size == tok.vocab_size
+    lines = []
+    run_recipe(out, config, ("pretrain",), log=lines.append)
+    assert any("skipped" in line for line in lines)
