@@ -27,10 +27,14 @@ class EvalConfig:
     processes: int = 0              # episode processes, each loads the model (0: cores - 2)
     device: str = "auto"            # "auto": cuda when available, else cpu
     threads: int = 1                # torch threads per process on CPU
+    max_seconds: float = 0.0        # a process starts no episode after this (0 = no limit);
+                                    # tasks not run are left out of n
 
 
 def _shard(args: tuple) -> list[dict]:
     model_dir, numbers, config = args
+    import time
+
     import torch
 
     from agent_runtime.engine_policy import EnginePolicy
@@ -44,10 +48,13 @@ def _shard(args: tuple) -> list[dict]:
     policy = EnginePolicy.load(str(model_dir), device=device, temperature=0.0,
                                max_new_tokens=512)
     tasks = sim.generate(config.split, config.n, seed=config.seed)
+    deadline = time.monotonic() + config.max_seconds if config.max_seconds else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="apprentice-eval-") as home:
         store = SessionStore(home)
         for i in numbers:
+            if deadline is not None and time.monotonic() > deadline:
+                break
             task = tasks[i]
             try:
                 ep = run_episode(policy, task, store, max_steps=config.max_steps)

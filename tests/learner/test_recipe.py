@@ -176,3 +176,23 @@ def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir
     lines = []
     run_recipe(out, config, ("pretrain",), log=lines.append)
     assert any("skipped" in line for line in lines)
+
+
+def test_oracle_summary_has_the_requested_sections_and_next_edit():
+    from agent_runtime.context import DEFAULT_SUMMARY_INSTRUCTION
+    from learner.recipe.sft import summarize
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "Fix `add` in calc.py.", "kind": "task"},
+        {"role": "assistant", "content": "Reading.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file",
+                                                          "arguments": {"path": "calc.py"}}}]},
+        {"role": "tool", "content": "1\tdef add(a, b):\n2\t    return a - b", "tool_call_id": "c1"},
+    ]
+    plan = ['Fixing it.\n<tool_call>\n{"name": "edit_file", "arguments": {"path": "calc.py", '
+            '"old": "return a - b", "new": "return a + b"}}\n</tool_call>']
+    text = summarize(messages, plan)
+    sections = [line for line in DEFAULT_SUMMARY_INSTRUCTION.splitlines() if line.startswith("## ")]
+    assert [line for line in text.splitlines() if line.startswith("## ")] == sections
+    assert "- read_file calc.py (ok)" in text and "return a - b" in text
+    assert text.endswith("Fixing it.")
