@@ -86,14 +86,17 @@ def make_instance(family: str, split: str, number: int,
     for attempt in range(MAX_ATTEMPTS):
         rng = Random(f"{family}:{base}:{attempt}")
         level = difficulty or rng.randint(1, 3)
+        ctx = Context(rng, split, level)
         try:
-            draft = module.build(Context(rng, split, level))
+            draft = module.build(ctx)
         except Retry:
             continue
         task_id = f"{family}/{split}/{number}" + (f"/d{difficulty}" if difficulty else "")
+        meta = {**draft.meta, "domain": ctx.domain.key, "package": ctx.pkg,
+                "kernels_used": sorted(ctx.used_kernels), "phrase": list(ctx.phrase)}
         return TaskInstance(task_id, family, split, level, draft.instruction, draft.files,
                             draft.hidden_tests, TEST_COMMAND, 60.0, draft.solution,
-                            dict(TEST_ENV), TEST_EXPECT, draft.meta)
+                            dict(TEST_ENV), TEST_EXPECT, meta)
     raise RuntimeError(f"{family}/{split}/{number}: no valid instance in {MAX_ATTEMPTS} draws")
 
 
@@ -110,4 +113,4 @@ from learner.tasks.folder import export, load_task_folder, load_tasks  # noqa: E
 from learner.tasks.grading import Grade, grade                           # noqa: E402
 
 __all__ = ["TaskInstance", "generate", "make_instance", "instance_from_id", "FAMILIES",
-           "SPLITS", "load_task_folder", "load_tasks", "export", "Grade", "grade"]
+           "SPLITS", "Retry", "load_task_folder", "load_tasks", "export", "Grade", "grade"]

@@ -61,7 +61,7 @@ def build(ctx: Context) -> Draft:
         example = f"For example, `{feature.call(args)}` returns `{value!r}`. "
     test_path = f"tests/test_{feature.name}.py"
     where = {1: f" in `{test_path}`", 2: rng.choice(["", " under `tests/`"]), 3: ""}[d]
-    instruction = phrase(rng, PHRASES, ctx.split, sig=sig, path=path, doc=feature.doc,
+    instruction = phrase(ctx, PHRASES, sig=sig, path=path, doc=feature.doc,
                          example=example, where=where, pkg=pkg)
     if d == 3:
         instruction += f" Export it from the package too, so `from {pkg} import " \
@@ -111,7 +111,7 @@ def build(ctx: Context) -> Draft:
              turn(rng.choice(["Adding the function and a test for it.",
                               "Writing the new function, then its test.",
                               "Implementing the feature with a test."]), *edits),
-             tests_check(ctx, test_path if rng.random() < 0.5 else "")]
+             tests_check(ctx, test_path if rng.random() < 0.8 else "")]
     summary = f"Added `{sig}` to {path} with a test in {test_path}."
     files = finish_repo(ctx, files, list(modules))
     return Draft(instruction, files, hidden_tests, {"turns": turns, "summary": summary},

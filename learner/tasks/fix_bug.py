@@ -113,7 +113,7 @@ def build(ctx: Context) -> Draft:
     fields = {"call": shown_call, "expected": expected, "actual": actual, "pkg": pkg}
     if caller is None:
         fields.update(fn=target.name, path=path)
-    instruction = phrase(rng, PHRASES, ctx.split, **fields)
+    instruction = phrase(ctx, PHRASES, **fields)
 
     turns = []
     if caller is not None:
@@ -128,7 +128,7 @@ def build(ctx: Context) -> Draft:
     turns.append(turn(f"The bug is {KIND_WORDS[bug.kind]} in `{target.name}`: `{bad.strip()}` "
                       f"should be `{good.strip()}`.", fix))
     call_expr = (caller or target).call(example[0])
-    turns.append(python_check(ctx, check_module, [check_name], call_expr) if rng.random() < 0.6
+    turns.append(python_check(ctx, check_module, [check_name], call_expr) if rng.random() < 0.7
                  else tests_check(ctx))
     summary = (f"Fixed {KIND_WORDS[bug.kind]} in `{target.name}` ({path}): `{bad.strip()}` is "
                f"now `{good.strip()}`, so `{shown_call}` returns {expected}.")

@@ -147,7 +147,7 @@ def build(ctx: Context) -> Draft:
                                                        expected_other)}
     command = f"python -m {pkg}.cli {data}"
     constraint = rng.choice(CONSTRAINTS).format(data=data)
-    instruction = phrase(rng, PHRASES, ctx.split, command=command, error=error,
+    instruction = phrase(ctx, PHRASES, command=command, error=error,
                          expected=expected, constraint=constraint, pkg=pkg)
     to_read = [f"{pkg}/cli.py"] + ([broken] if broken != f"{pkg}/cli.py" else [])
     turns = [turn("Let me run it and look at the traceback.", call("run_command", command=command)),
@@ -155,7 +155,7 @@ def build(ctx: Context) -> Draft:
              turn(f"Found it: `{old}` should be `{new}`.",
                   edit_call(files[broken], old, new, broken)),
              turn("Running the command again.", call("run_command", command=command))]
-    if rng.random() < 0.3:
+    if rng.random() < 0.15:
         turns.append(tests_check(ctx))
     summary = f"Fixed {broken}: `{old}` -> `{new}`. `{command}` now prints `{expected}`."
     files = finish_repo(ctx, files, list(modules) + ["cli"])

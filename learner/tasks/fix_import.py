@@ -111,7 +111,7 @@ def build(ctx: Context) -> Draft:
     hidden_tests = {hidden_path(caller.name): test_source(
         {f"{pkg}.{home}": [target.name], f"{pkg}.{user}": [caller.name]}, hidden)}
 
-    instruction = phrase(rng, PHRASES, ctx.split, command=command, error=error, pkg=pkg)
+    instruction = phrase(ctx, PHRASES, command=command, error=error, pkg=pkg)
     broken_path = f"{pkg}/{broken}.py"
     if bad_import:
         fix = call("edit_file", path=broken_path, old=bad_import, new=fix_line)
@@ -130,7 +130,7 @@ def build(ctx: Context) -> Draft:
            "missing_stdlib": f"`{fix_line.split()[-1]}` is used but never imported"}[variant]
     turns.append(turn(f"{why}; the fix is `{fix_line}`.", fix))
     turns.append(turn("Running the command again.", call("run_command", command=command)))
-    if rng.random() < 0.4:
+    if rng.random() < 0.2:
         turns.append(tests_check(ctx))
     summary = f"Fixed the import in {broken_path} (`{fix_line}`); `{command}` now works."
     files = finish_repo(ctx, files, list(modules))

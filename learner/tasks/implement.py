@@ -77,7 +77,7 @@ def build(ctx: Context) -> Draft:
         {f"{pkg}.{mod}": [t.name for t in targets]}, hidden)}
 
     fn = " and ".join(f"`{t.name}`" for t in targets)
-    instruction = phrase(rng, PHRASES, ctx.split, fn=fn, path=path, pkg=pkg)
+    instruction = phrase(ctx, PHRASES, fn=fn, path=path, pkg=pkg)
 
     text = modules[mod]
     edits = []
@@ -91,7 +91,7 @@ def build(ctx: Context) -> Draft:
     t0 = targets[0]
     args0 = all_cases[t0.name][-1][0]
     turns.append(python_check(ctx, f"{pkg}.{mod}", [t0.name], t0.call(args0))
-                 if rng.random() < 0.5 else tests_check(ctx))
+                 if rng.random() < 0.7 else tests_check(ctx))
     summary = f"Implemented {fn} in {path} following the docstring; the examples hold."
     files = finish_repo(ctx, files, list(modules))
     return Draft(instruction, files, hidden_tests, {"turns": turns, "summary": summary},

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 from learner.tasks.repo import (Context, Draft, Phrase, Retry, call, case_tests, finish_repo,
                                 func_imports, hidden_path, make_caller, module_doc,
-                                module_source, package_files, phrase, reads, test_source,
-                                tests_check, turn)
+                                module_source, package_files, phrase, python_check, reads,
+                                test_source, tests_check, turn)
 
 NAME = "rename_symbol"
 
@@ -53,6 +53,8 @@ def build(ctx: Context) -> Draft:
     rng, d, pkg = ctx.rng, ctx.difficulty, ctx.pkg
     target = ctx.func()
     old, new = target.name, _new_name(ctx, target)
+    if "_" not in old:
+        raise Retry("a one-word name also appears in the callers' labels")
     home = ctx.module()
     path = f"{pkg}/{home}.py"
     neighbours = [ctx.func() for _ in range(rng.randint(1, d))]
@@ -100,7 +102,7 @@ def build(ctx: Context) -> Draft:
                                                       f"import {pkg}.{home} as {home}_module"])
     hidden_tests = {hidden_path(new): hidden_src}
 
-    instruction = phrase(rng, PHRASES, ctx.split, old=old, new=new, pkg=pkg, path=path)
+    instruction = phrase(ctx, PHRASES, old=old, new=new, pkg=pkg, path=path)
     touched = sorted(p for p, text in files.items() if re.search(rf"\b{old}\b", text)
                      and not p.startswith("tests/"))
     turns = [turn(rng.choice(["First, every place the name appears.", "Let me find all uses.",
@@ -110,8 +112,10 @@ def build(ctx: Context) -> Draft:
              turn(rng.choice(["Renaming in each file.", "Now the rename, file by file.",
                               "Applying the rename everywhere it appears."]),
                   *[call("edit_file", path=p, old=old, new=new, replace_all=True)
-                    for p in touched]),
-             tests_check(ctx)]
+                    for p in touched])]
+    (mod, caller), args = users[0], cases[0][0]
+    turns.append(python_check(ctx, f"{pkg}.{mod}", [caller.name], caller.call(args))
+                 if rng.random() < 0.6 else tests_check(ctx))
     summary = f"Renamed `{old}` to `{new}` in {', '.join(touched)}; the tests pass."
     files = finish_repo(ctx, files, list(modules))
     return Draft(instruction, files, hidden_tests, {"turns": turns, "summary": summary},

@@ -21,9 +21,14 @@ from typing import Any
 from learner.tasks.kernels import ROLES, Kernel, kernels_for
 from learner.tasks.vocab import Domain, domains_for, pick
 
-TEST_COMMAND = "python -m pytest -q -p no:cacheprovider"
+TEST_COMMAND = "python -m pytest -q"
 TEST_EXPECT = r"\b\d+ passed\b"            # pytest's summary: guards against early exit(0)
-TEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# The tasks' environment (the agent's commands and grading): no third-party pytest plugins,
+# no caches written into the workspace, and pytest's unused built-in plugins off (faster).
+TEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTEST_ADDOPTS": "-p no:cacheprovider -p no:doctest -p no:junitxml "
+                              "-p no:pastebin -p no:legacypath -p no:debugging "
+                              "-p no:stepwise -p no:faulthandler"}
 
 
 # ---------------------------------------------------------------- phrasing
@@ -37,12 +42,16 @@ class Phrase:
         return set(re.findall(r"{(\w+)", self.text))
 
 
-def phrase(rng: Random, phrases: list[Phrase], split: str, **values: Any) -> str:
-    """Pick a phrasing of this split whose fields are all given, and fill it in."""
-    pool = [p for p in phrases if p.heldout == (split == "heldout") and p.fields() <= set(values)]
+def phrase(ctx: "Context", phrases: list[Phrase], **values: Any) -> str:
+    """Pick a phrasing of the context's split whose fields are all given, and fill it in;
+    `ctx.phrase` records which one."""
+    heldout = ctx.split == "heldout"
+    pool = [i for i, p in enumerate(phrases) if p.heldout == heldout and p.fields() <= set(values)]
     if not pool:
-        raise ValueError(f"no {split} phrasing for fields {sorted(values)}")
-    return rng.choice(pool).text.format(**values)
+        raise ValueError(f"no {ctx.split} phrasing for fields {sorted(values)}")
+    index = ctx.rng.choice(pool)
+    ctx.phrase = (index, phrases[index].heldout)
+    return phrases[index].text.format(**values)
 
 
 # ---------------------------------------------------------------- functions
@@ -161,6 +170,7 @@ class Context:
     pkg: str = ""
     taken: set[str] = field(default_factory=set)       # identifiers and module names in use
     used_kernels: set[str] = field(default_factory=set)
+    phrase: tuple[int, bool] | None = None              # (index, heldout) of the phrasing used
 
     def __post_init__(self):
         if self.domain is None:
