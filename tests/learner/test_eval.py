@@ -1,0 +1,114 @@
+"""`apprentice eval` and `apprentice learn tasks export`, and the report they print."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from agent_runtime.cli import main
+from agent_runtime.store import SessionStore
+from learner.eval import EvalReport, format_report, resolve_tasks
+from learner.rollout import Episode, rewards
+from learner.tasks import load_tasks
+
+SUMMARY = re.compile(r"^pass@1 (\d+\.\d)% \((\d+)/(\d+)\)  mean steps (\d+\.\d)  "
+                     r"mean tokens (\d+)$")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("APPRENTICE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result
+
+
+def episode(task_id, reward, steps, tokens, cheated=False, family="fix_bug"):
+    return Episode(task_id, "0123456789abcdef", reward, reward > 0 or cheated, cheated, steps,
+                   tokens, "finished", family, "heldout", "passed" if reward else "failed")
+
+
+def test_the_summary_line_has_pass_at_1_mean_steps_and_mean_tokens():
+    report = EvalReport([episode("a", 1.0, 4, 100), episode("b", 0.0, 6, 300),
+                         episode("c", 1.0, 5, 200, family="rename_symbol")])
+    text = format_report(report)
+    assert SUMMARY.match(text).groups() == ("66.7", "2", "3", "5.0", "200")
+    verbose = format_report(report, verbose=True).splitlines()
+    assert verbose[0].startswith("PASS  a") and verbose[1].startswith("FAIL  b")
+    assert any("rename_symbol" in line and "1/1" in line for line in verbose)
+    assert SUMMARY.match(verbose[-1])
+
+
+def test_cheating_is_counted_in_the_summary():
+    report = EvalReport([episode("a", 0.0, 3, 50, cheated=True)])
+    assert format_report(report).endswith("cheated 1")
+    assert format_report(report, verbose=True).startswith("CHEAT")
+
+
+def test_eval_of_the_oracle_on_held_out_tasks_scores_100(home):
+    out = invoke("eval", "--tasks", "sim-heldout", "-n", 4, "--policy", "oracle", "-v")
+    assert out.exit_code == 0, out.output
+    lines = out.output.strip().splitlines()
+    assert sum(line.startswith("PASS") for line in lines) == 4
+    m = SUMMARY.match(lines[-1])
+    assert m and m.group(1) == "100.0" and m.group(2) == m.group(3) == "4"
+    with SessionStore(home) as store:
+        assert len(store.list_sessions()) == 4 and len(rewards(store)) == 4
+
+
+def test_export_then_eval_the_folders(home, tmp_path):
+    out = invoke("learn", "tasks", "export", tmp_path / "tasks", "--split", "heldout", "-n", 3,
+                 "--seed", 2, "--with-solution")
+    assert out.exit_code == 0 and "wrote 3 task folders" in out.output
+    assert len(load_tasks(tmp_path / "tasks")) == 3
+    out = invoke("eval", "--tasks", tmp_path / "tasks", "--policy", "oracle")
+    assert out.exit_code == 0, out.output
+    assert SUMMARY.match(out.output.strip()).group(1) == "100.0"
+    one = sorted((tmp_path / "tasks").iterdir())[0]
+    out = invoke("eval", "--tasks", one, "--policy", "oracle", "--sandbox", "off")
+    assert "(1/1)" in out.output
+
+
+def test_eval_of_a_user_folder_with_a_replay_policy(home, tmp_path):
+    folder = tmp_path / "mine"
+    (folder / "repo").mkdir(parents=True)
+    (folder / "repo" / "greet.py").write_text("print('helo')\n")
+    (folder / "tests").mkdir()
+    (folder / "tests" / "check.sh").write_text("python greet.py | grep -qx hello\n")
+    (folder / "task.json").write_text(json.dumps(
+        {"instruction": "Fix the typo in greet.py.", "test": "bash tests/check.sh", "timeout": 20}))
+    script = tmp_path / "fix.json"
+    script.write_text(json.dumps([
+        "<tool_call>\n" + json.dumps({"name": "edit_file", "arguments": {
+            "path": "greet.py", "old": "helo", "new": "hello"}}) + "\n</tool_call>",
+        "<tool_call>\n" + json.dumps({"name": "finish", "arguments": {"summary": "fixed"}})
+        + "\n</tool_call>"]))
+    out = invoke("eval", "--tasks", folder, "--policy", f"replay:{script}", "-v")
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith("PASS  mine") and "(1/1)" in out.output
+
+
+def test_the_oracle_refuses_folders_without_a_plan(home, tmp_path):
+    invoke("learn", "tasks", "export", tmp_path / "t", "-n", 1)
+    out = invoke("eval", "--tasks", tmp_path / "t", "--policy", "oracle")
+    assert out.exit_code != 0 and "only solves generated tasks" in out.output
+
+
+def test_bad_task_specs_are_usage_errors(home, tmp_path):
+    out = invoke("eval", "--tasks", tmp_path / "missing", "--policy", "oracle")
+    assert out.exit_code == 2 and "sim-heldout" in out.output
+    out = invoke("learn", "tasks", "export", tmp_path / "x", "--families", "nope")
+    assert out.exit_code == 2 and "unknown families" in out.output
+
+
+def test_resolve_tasks_draws_simulated_sets_and_limits_folders(tmp_path):
+    assert {t.split for t in resolve_tasks("sim-train", 3)} == {"train"}
+    assert len(resolve_tasks("sim-heldout")) == 50
+    invoke("learn", "tasks", "export", tmp_path, "-n", 4)
+    assert len(resolve_tasks(str(tmp_path), 2)) == 2

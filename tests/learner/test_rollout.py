@@ -1,0 +1,125 @@
+"""Rollouts: real agent runs in fresh workspaces, graded, recorded in the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.store import SessionStore
+from agent_runtime.store.migrations import MIGRATIONS
+from learner.rollout import Episode, rewards, run_episode, run_episodes
+from learner.tasks import generate
+from learner.tasks.oracle import OraclePolicy
+
+
+def call(name, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SessionStore(tmp_path / "home") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate("train", 6, seed=31)
+
+
+def test_an_episode_is_a_recorded_session_with_samples_and_a_reward(store, tasks):
+    task = tasks[0]
+    episode = run_episode(OraclePolicy(task), task, store)
+    assert isinstance(episode, Episode)
+    assert (episode.task_id, episode.family, episode.split) == (task.id, task.family, "train")
+    assert episode.reward == 1.0 and episode.passed and episode.status == "finished"
+    session = store.get_session(episode.session_id)
+    assert session["task"] == task.instruction and session["status"] == "finished"
+    samples = store.samples(episode.session_id)
+    assert len(samples) == episode.steps >= 3
+    assert episode.tokens == sum(len(s["completion_ids"]) for s in samples) > 0
+    assert all(len(s["logprobs"]) == len(s["completion_ids"]) and s["prompt_ids"]
+               for s in samples)
+    assert all(s["policy_version"] == 0 for s in samples)
+    (row,) = rewards(store, episode.session_id)
+    assert (row["task_id"], row["reward"], row["passed"], row["cheated"]) == \
+        (task.id, 1.0, True, False)
+    assert row["meta"]["difficulty"] == task.difficulty
+
+
+def test_the_rewards_table_comes_from_a_numbered_migration():
+    assert "m002_rewards" in [fn.__name__ for fn in MIGRATIONS]
+
+
+def test_a_policy_that_does_nothing_scores_0_without_being_flagged(store, tasks):
+    task = tasks[1]
+    episode = run_episode(ReplayPolicy([call("finish", summary="nothing to do")]), task, store)
+    assert episode.status == "finished" and episode.steps == 1
+    assert episode.reward == 0.0 and not episode.passed and not episode.cheated
+    assert episode.detail.startswith("tests failed")
+
+
+def test_running_out_of_steps_is_graded_too(store, tasks):
+    task = tasks[2]
+    loop = [call("list_files")] * 5
+    episode = run_episode(ReplayPolicy(loop), task, store, max_steps=3)
+    assert episode.status == "budget_exhausted" and episode.steps == 3
+    assert episode.reward == 0.0
+    assert len(rewards(store, episode.session_id)) == 1
+
+
+def test_a_failing_policy_is_recorded_as_failed(store, tasks):
+    episode = run_episode(ReplayPolicy([]), tasks[3], store)   # raises on its first call
+    assert episode.status == "failed" and episode.reward == 0.0
+
+
+def test_the_workspace_is_fresh_removed_and_never_holds_hidden_tests(store, tasks, tmp_path):
+    task = tasks[4]
+    seen = {}
+
+    class Spy(OraclePolicy):
+        def complete(self, messages, tools=None, **kw):
+            workspace = Path(store.get_session(store.list_sessions(1)[0]["id"])["workspace"])
+            seen.setdefault("files", {p.relative_to(workspace).as_posix()
+                                      for p in workspace.rglob("*") if p.is_file()})
+            return super().complete(messages, tools, **kw)
+
+    work = tmp_path / "work"
+    work.mkdir()
+    episode = run_episode(Spy(task), task, store, workdir=work)
+    assert episode.reward == 1.0
+    assert seen["files"] == set(task.files)
+    assert not any(work.iterdir())                           # removed afterwards
+    kept = run_episode(OraclePolicy(task), task, store, workdir=work, keep_workspace=True)
+    assert Path(kept.workspace).is_dir()
+    assert not set(task.hidden_tests) & {p.relative_to(kept.workspace).as_posix()
+                                         for p in Path(kept.workspace).rglob("*")}
+
+
+def test_episodes_run_concurrently_in_isolated_workspaces_and_keep_their_order(store, tasks):
+    episodes = run_episodes(OraclePolicy, tasks, store, concurrency=3)
+    assert [e.task_id for e in episodes] == [t.id for t in tasks]
+    assert len({e.session_id for e in episodes}) == len(tasks)
+    assert all(e.reward == 1.0 for e in episodes), [e.detail for e in episodes]
+    assert len(rewards(store)) == len(tasks)
+
+
+def test_unsandboxed_rollouts_work_too(store, tasks):
+    episode = run_episode(OraclePolicy(tasks[5]), tasks[5], store, sandbox="off")
+    assert episode.reward == 1.0
+    calls = store.tool_calls(episode.session_id)
+    assert any(c["name"] == "run_command" and c["data"]["sandboxed"] is False for c in calls)
+
+
+def test_commands_run_with_the_tasks_environment_and_this_python(store, tasks):
+    import sys
+    task = tasks[0]
+    script = [call("run_command", command="python -c 'import sys; print(sys.executable)'; "
+                   "echo plugins=$PYTEST_DISABLE_PLUGIN_AUTOLOAD"),
+              call("finish", summary="looked")]
+    episode = run_episode(ReplayPolicy(script), task, store)
+    out = store.tool_calls(episode.session_id)[0]["result"]
+    assert str(Path(sys.executable).parent) in out and "plugins=1" in out
