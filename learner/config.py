@@ -53,6 +53,7 @@ class RolloutConfig:
     max_new_tokens: int = 512       # per model call
     max_steps: int = 20             # model calls per episode (agent tasks)
     dtype: str = "bfloat16"         # dtype of the rollout policies' weights
+    device: str = "cpu"             # where the rollout policies run
     workers: int = 1                # rollout workers, each with its own policy copy (async only)
     top_p: float = 1.0              # must stay 1: training logprobs ignore nucleus filtering
     top_k: int = 0                  # must stay 0: training logprobs ignore top-k filtering

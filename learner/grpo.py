@@ -118,7 +118,8 @@ def policy_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: tor
     """
     c = config or LossConfig()
     if c.ratio_cap < 1.0 + c.eps_high:
-        raise ValueError(f"ratio_cap ({c.ratio_cap}) must be at least 1 + eps_high ({1 + c.eps_high})")
+        raise ValueError(f"ratio_cap ({c.ratio_cap}) must be at least 1 + eps_high "
+                         f"({1 + c.eps_high})")
     behaviour, advantages = behaviour.to(logprobs.dtype), advantages.to(logprobs.dtype)
     log_ratio = logprobs - behaviour
     ratio = log_ratio.exp()

@@ -53,7 +53,7 @@ class ToyTask:
 def toy_tasks(n: int, seed: int = 0) -> list[ToyTask]:
     rng = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "calc", "tests", "fix", "add", "sum", "list"]
-    return [ToyTask(f"toy-{seed}-{i}", "Say something about " + " ".join(rng.sample(words, 3)) + ".")
+    return [ToyTask(f"toy-{seed}-{i}", f"Say something about {' '.join(rng.sample(words, 3))}.")
             for i in range(n)]
 
 
@@ -185,8 +185,8 @@ class Pipeline:
             return task
 
     def _group(self, policy: Any) -> Group:
-        group = self.runner(self.board.follow(policy), self._next_task(), self.store, self.config.rollout,
-                            self._stop.is_set)
+        group = self.runner(self.board.follow(policy), self._next_task(), self.store,
+                            self.config.rollout, self._stop.is_set)
         with self._lock:
             self.stats.episodes_generated += len(group.episodes)
         return group
@@ -319,8 +319,8 @@ def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = No
     trainer, extra = Trainer.open(model_path, run_dir, config.trainer, versions, store)
     r = config.rollout
     factory = policy_factory or (lambda: EnginePolicy.load(
-        str(model_path), dtype=r.dtype, temperature=config.trainer.temperature, top_p=r.top_p,
-        top_k=r.top_k, max_new_tokens=r.max_new_tokens))
+        str(model_path), dtype=r.dtype, device=r.device, temperature=config.trainer.temperature,
+        top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens))
     n_workers = r.workers if p.mode == "async" else 1
     policies = [factory() for _ in range(max(1, n_workers))]
     tasks, runner = task_family(config.tasks, p.seed)

@@ -128,7 +128,8 @@ class Canvas:
         def chunk(kind: bytes, data: bytes) -> bytes:
             return (struct.pack(">I", len(data)) + kind + data
                     + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0))
+        header = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)   # 8-bit RGB
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
                 + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 

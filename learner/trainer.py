@@ -196,7 +196,8 @@ class Trainer:
     def published_state(self) -> dict[str, torch.Tensor]:
         """The current weights as published (bf16 by default), on the CPU."""
         dtype = getattr(torch, self.config.publish_dtype)
-        return {k: v.detach().to("cpu", dtype, copy=True) for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", dtype, copy=True)
+                for k, v in self.model.state_dict().items()}
 
     def publish(self) -> int:
         """Publish the current weights as the next version (to the version store if any)."""
@@ -308,8 +309,9 @@ class _Acc:
 
     def loss_stats(self) -> dict:
         n = self.stats.get("tokens", 0)
+        clipped = self.stats.get("clip_low", 0) + self.stats.get("clip_high", 0)
         return {"loss": mean_or_nan(self.loss, n),
                 "ratio_mean": mean_or_nan(self.stats.get("ratio_sum", 0.0), n),
-                "clip_frac": mean_or_nan(self.stats.get("clip_low", 0) + self.stats.get("clip_high", 0), n),
+                "clip_frac": mean_or_nan(clipped, n),
                 "truncated_frac": mean_or_nan(self.stats.get("truncated", 0), n),
                 "ref_kl": mean_or_nan(self.stats.get("ref_kl_sum", 0.0), n)}

@@ -42,7 +42,8 @@ def config(ckpt, mode: str, steps: int = 3, **pipe) -> RunConfig:
 def build(ckpt, tmp_path, mode, **kw):
     store = SessionStore(tmp_path / "home")
     versions = VersionStore(tmp_path / "versions")
-    return pipeline.build(config(ckpt, mode, **kw), tmp_path / "run", store, versions), store, versions
+    pipe = pipeline.build(config(ckpt, mode, **kw), tmp_path / "run", store, versions)
+    return pipe, store, versions
 
 
 def all_samples(store):

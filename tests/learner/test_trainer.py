@@ -70,7 +70,8 @@ def test_replay_forces_the_recorded_experts(ckpt, tmp_path):
     s = rollouts(ckpt, n=1)[0]
     t = trainer(ckpt, tmp_path)
     E = t.model.args.num_experts
-    forced = TrainSample(**{**s.__dict__, "routes": ((s.routes.astype(np.int64) + 1) % E).astype(np.uint8)})
+    other = ((s.routes.astype(np.int64) + 1) % E).astype(np.uint8)     # a different expert
+    forced = TrainSample(**{**s.__dict__, "routes": other})
     replayed = t.forward(forced, replay=True)
     assert replayed.flips == replayed.routed                  # the router would choose others
     assert (replayed.logprobs - torch.tensor(s.logprobs)).abs().max() > 1e-3
