@@ -145,6 +145,10 @@ def _run_dir(run_dir: Path | None) -> Path:
               help="Drop samples more than this many versions behind the trainer.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=512, show_default=True,
               help="Tokens per model call in rollouts.")
+@click.option("--max-steps", type=click.IntRange(1), default=20, show_default=True,
+              help="Model calls per episode (simulated tasks).")
+@click.option("--checkpoint-every", type=click.IntRange(1), default=1, show_default=True,
+              help="Write a resumable checkpoint every N steps.")
 @click.option("--temperature", type=click.FloatRange(0, min_open=True), default=1.0,
               show_default=True, help="Rollout sampling temperature.")
 @click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -158,8 +162,8 @@ def _run_dir(run_dir: Path | None) -> Path:
               help="torch threads for the process (0 = torch's default).")
 def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay: bool,
          groups_per_step: int, lr: float, max_staleness: int, max_new_tokens: int,
-         temperature: float, run_dir: Path | None, versions_dir: Path | None, seed: int,
-         threads: int) -> None:
+         max_steps: int, checkpoint_every: int, temperature: float, run_dir: Path | None,
+         versions_dir: Path | None, seed: int, threads: int) -> None:
     """Train with GRPO (router replay, async rollouts); rerun to resume after a kill."""
     import json
 
@@ -171,8 +175,10 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
     cfg = c.RunConfig(
         model=model, tasks=family,
         trainer=c.TrainerConfig(optim=c.OptimConfig(lr=lr), router_replay=not no_replay,
-                                temperature=temperature, seed=seed),
-        rollout=c.RolloutConfig(group_size=group, concurrency=group, max_new_tokens=max_new_tokens),
+                                temperature=temperature, seed=seed,
+                                checkpoint_every=checkpoint_every),
+        rollout=c.RolloutConfig(group_size=group, concurrency=group, max_new_tokens=max_new_tokens,
+                                max_steps=max_steps),
         pipeline=c.PipelineConfig(mode="sync" if sync else "async", steps=steps,
                                   groups_per_step=groups_per_step, max_staleness=max_staleness,
                                   torch_threads=threads, seed=seed))

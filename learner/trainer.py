@@ -211,9 +211,13 @@ class Trainer:
                                    f"holding another model's versions? pick another one)") from exc
             if self.store is not None:
                 info = self.versions.info(self.version)
-                self.store.record_policy_version(self.version, info.sha256, source="learner:grpo",
-                                                 meta={"step": self.step_count,
-                                                       "run": str(self.run_dir.name)})
+                try:
+                    self.store.record_policy_version(self.version, info.sha256,
+                                                     source="learner:grpo",
+                                                     meta={"step": self.step_count,
+                                                           "run": str(self.run_dir.name)})
+                except ValueError as exc:       # another version store's lineage: keep going
+                    log.warning("session store: %s", exc)
         else:
             self.version = (self.version or 0) + 1
         self.published = state
