@@ -73,8 +73,7 @@ def grade(task, workspace: Path, sandbox=None, transcript=None) -> Grade:
     violations = tampering(task, workspace) + peeks(task, transcript)
     with tempfile.TemporaryDirectory(prefix="apprentice-grade-") as tmp:
         copy = Path(tmp) / "workspace"
-        shutil.copytree(workspace, copy, symlinks=True,
-                        ignore=shutil.ignore_patterns(*SKIP_DIRS))
+        shutil.copytree(workspace, copy, symlinks=True, ignore=_not_copied)
         violations += _drop_escaping_links(copy)
         _write_hidden(copy, task.hidden_tests)
         with make_sandbox(copy, sandbox_config(task, sandbox)) as box:
@@ -148,6 +147,17 @@ def make_sandbox(workspace: Path, config):
         box.probed, box.sandboxed = True, True
         box.process_limit = "rlimit" if os.geteuid() != 0 else None
     return box
+
+
+def _not_copied(folder: str, names: list[str]) -> set[str]:
+    """Caches, and what is neither a file, a folder nor a link (a FIFO would hang the copy)."""
+    out = set()
+    for name in names:
+        path = os.path.join(folder, name)
+        if name in SKIP_DIRS or not (os.path.islink(path) or os.path.isfile(path)
+                                     or os.path.isdir(path)):
+            out.add(name)
+    return out
 
 
 def _write_hidden(root: Path, hidden: dict[str, str | bytes]) -> None:
@@ -245,7 +255,9 @@ def _walk(root: Path) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and d != ".git"]
         for name in filenames:
-            out.append((Path(dirpath) / name).relative_to(root).as_posix())
+            path = Path(dirpath) / name
+            if path.is_file():                 # regular files (through links): no FIFOs
+                out.append(path.relative_to(root).as_posix())
     return sorted(out)
 
 

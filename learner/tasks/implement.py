@@ -7,7 +7,7 @@ documented behaviour, edge cases included.
 
 from __future__ import annotations
 
-from learner.tasks.repo import (Context, Draft, Phrase, call, case_tests, finish_repo,
+from learner.tasks.repo import (Context, Draft, Phrase, case_tests, finish_repo,
                                 func_imports, hidden_path, module_doc, module_source,
                                 package_files, phrase, python_check, reads, test_source,
                                 tests_check, turn, with_docstring, edit_call)

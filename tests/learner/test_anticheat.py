@@ -174,3 +174,13 @@ def test_tampering_ignores_caches_and_untouched_files(task, tmp_path):
     (tmp_path / ".pytest_cache").mkdir()
     assert tampering(task, tmp_path) == []
     assert grade(task, tmp_path).cheated is False
+
+
+def test_a_fifo_or_an_escaping_symlink_cannot_hang_or_fool_the_grader(task, tmp_path):
+    import os
+    workspace = tmp_path / "ws"
+    task.materialize(workspace)
+    os.mkfifo(workspace / "pipe.py")
+    (workspace / "tests" / "outside").symlink_to("/")
+    result = grade(task, workspace)
+    assert result.cheated and "symlink tests/outside leaves the workspace" in result.detail

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import re
 from random import Random
 
 import pytest
