@@ -34,10 +34,10 @@ class GRPOStageConfig:
     groups_per_step: int = 2        # task groups per training batch
     lr: float = 2e-5                # AdamW learning rate
     temperature: float = 1.0        # rollout sampling temperature
-    max_new_tokens: int = 320       # per model call in rollouts
+    max_new_tokens: int = 400       # per model call in rollouts
     max_steps: int = 10             # model calls per episode
     workers: int = 6                # rollout workers (policy copies), async pipeline
-    max_seconds: float = 75.0       # stop after this wall time (0 = no limit)
+    max_seconds: float = 60.0       # stop after this wall time (0 = no limit)
     device: str = "auto"            # trainer and rollout device
     seed: int = 0
 
