@@ -184,3 +184,34 @@ def test_a_fifo_or_an_escaping_symlink_cannot_hang_or_fool_the_grader(task, tmp_
     (workspace / "tests" / "outside").symlink_to("/")
     result = grade(task, workspace)
     assert result.cheated and "symlink tests/outside leaves the workspace" in result.detail
+
+
+def test_skipping_the_hidden_tests_from_package_code_scores_0(task, store):
+    fix = next(c for t in task.solution["turns"] for c in t["calls"] if c["name"] == "edit_file")
+    module = fix["arguments"]["path"]
+    sneaky = task.files[module] + ("\nimport sys\nif 'acceptance' in str(sys.argv) or True:\n"
+                                   "    import pytest as _p\n")
+    episode, row = run(task, store, call("write_file", path=module, content=sneaky))
+    assert_cheated(episode, row, "reaches into the test runner")
+
+
+def test_a_summary_with_skipped_tests_is_not_a_pass(task, tmp_path):
+    from dataclasses import replace
+    workspace = tmp_path / "ws"
+    task.materialize(workspace)
+    fix = next(c for t in task.solution["turns"] for c in t["calls"] if c["name"] == "edit_file")
+    path = workspace / fix["arguments"]["path"]
+    path.write_text(path.read_text().replace(fix["arguments"]["old"], fix["arguments"]["new"]))
+    assert grade(task, workspace).reward == 1.0
+    skipper = {rel: "import pytest\npytest.skip('no', allow_module_level=True)\n"
+               for rel in task.hidden_tests}
+    result = grade(replace(task, hidden_tests=skipper), workspace)
+    assert result.exit_code == 0 and not result.passed and result.reward == 0
+
+
+def test_an_honest_test_using_monkeypatch_is_fine(task, store):
+    test = ("import os\n\n\ndef test_env(monkeypatch):\n"
+            "    monkeypatch.setattr(os, 'sep', '/')\n    assert os.sep == '/'\n")
+    episode, row = run(task, store, the_fix(task),
+                       call("write_file", path="tests/test_env_ok.py", content=test))
+    assert episode.reward == 1.0 and not episode.cheated, episode.detail
