@@ -91,34 +91,11 @@ def build(ctx: Context) -> Draft:
     other_text, other_values = _csv(rng, col, decimals)
     conv = "float" if decimals else "int"
 
-    plain = brk == "header"
-    reader = (READER_PLAIN if plain else READER).format(col=col, conv=conv)
-    good_reader, bad_reader = reader, reader
+    reader = (READER_PLAIN if brk == "header" else READER).format(col=col, conv=conv)
     main = MAIN.format(pkg=pkg, label=label, agg=agg.name)
-    good_main, bad_main = main, main
     value = outcome(agg.body(), agg.name, (values,))[1]
-    if brk == "column":
-        wrong = rng.choice([c for c in (agg.names["P"], col.split("_")[-1] + "_value", "value",
-                                        "amount", "qty") if c != col])
-        bad_reader = reader.replace(f'row["{col}"]', f'row["{wrong}"]')
-        error, old, new = f"KeyError: '{wrong}'", f'row["{wrong}"]', f'row["{col}"]'
-    elif brk == "header":
-        bad_reader = reader.replace("list(csv.reader(f))[1:]", "list(csv.reader(f))")
-        error = f"ValueError: invalid literal for int() with base 10: '{col}'"
-        old, new = "list(csv.reader(f))", "list(csv.reader(f))[1:]"
-    elif brk == "concat":
-        bad_main = main.replace(f'print(f"{label}: {{{agg.name}(values)}}")',
-                                f'print("{label}: " + {agg.name}(values))')
-        error = f'TypeError: can only concatenate str (not "{type(value).__name__}") to str'
-        old, new = f'print("{label}: " + {agg.name}(values))', \
-            f'print(f"{label}: {{{agg.name}(values)}}")'
-    elif brk == "argv":
-        bad_main = main.replace("read_values(argv[0])", "read_values(argv[1])")
-        error, old, new = "IndexError: list index out of range", "argv[1]", "argv[0]"
-    else:
-        bad_reader = reader.replace("float(row", "int(row")
-        error = f"ValueError: invalid literal for int() with base 10: '{values[0]}'"
-        old, new = f'int(row["{col}"])', f'float(row["{col}"])'
+    bad_reader, bad_main, error, old, new = _break(rng, brk, reader, main, agg, col, label,
+                                                   values, value)
     expected = f"{label}: {value}"
     expected_other = f"{label}: {outcome(agg.body(), agg.name, (other_values,))[1]}"
 
@@ -130,7 +107,7 @@ def build(ctx: Context) -> Draft:
                                         [bad_reader], ["import csv"])
         cli = cli_doc + f"import sys\n\nfrom {pkg}.{loader} import read_values\n" \
             f"from {pkg}.{mod} import {agg.name}\n\n\n" + bad_main
-        broken = f"{pkg}/{loader}.py" if bad_reader != good_reader else f"{pkg}/cli.py"
+        broken = f"{pkg}/{loader}.py" if bad_reader != reader else f"{pkg}/cli.py"
     else:
         cli = cli_doc + f"import csv\nimport sys\n\nfrom {pkg}.{mod} import {agg.name}\n\n\n" \
             + bad_reader + "\n\n" + bad_main
@@ -161,6 +138,32 @@ def build(ctx: Context) -> Draft:
     files = finish_repo(ctx, files, list(modules) + ["cli"])
     return Draft(instruction, files, hidden_tests, {"turns": turns, "summary": summary},
                  {"kernel": agg.kernel.key, "break": brk})
+
+
+def _break(rng, brk: str, reader: str, main: str, agg, col: str, label: str, values: list,
+           value) -> tuple[str, str, str, str, str]:
+    """(reader, main, error, old, new): the broken code, its error, and the oracle's edit."""
+    if brk == "column":
+        wrong = rng.choice([c for c in (agg.names["P"], col.split("_")[-1] + "_value", "value",
+                                        "amount", "qty") if c != col])
+        return (reader.replace(f'row["{col}"]', f'row["{wrong}"]'), main, f"KeyError: '{wrong}'",
+                f'row["{wrong}"]', f'row["{col}"]')
+    if brk == "header":
+        return (reader.replace("list(csv.reader(f))[1:]", "list(csv.reader(f))"), main,
+                f"ValueError: invalid literal for int() with base 10: '{col}'",
+                "list(csv.reader(f))", "list(csv.reader(f))[1:]")
+    if brk == "concat":
+        good = f'print(f"{label}: {{{agg.name}(values)}}")'
+        bad = f'print("{label}: " + {agg.name}(values))'
+        return (reader, main.replace(good, bad),
+                f'TypeError: can only concatenate str (not "{type(value).__name__}") to str',
+                bad, good)
+    if brk == "argv":
+        return (reader, main.replace("read_values(argv[0])", "read_values(argv[1])"),
+                "IndexError: list index out of range", "argv[1]", "argv[0]")
+    return (reader.replace("float(row", "int(row"), main,
+            f"ValueError: invalid literal for int() with base 10: '{values[0]}'",
+            f'int(row["{col}"])', f'float(row["{col}"])')
 
 
 def _hidden_source(pkg: str, data: str, expected: str, other_csv: str, expected_other: str) -> str:

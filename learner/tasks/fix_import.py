@@ -9,6 +9,8 @@ failing command and its error. Hidden tests import the modules and call the func
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from learner.tasks.repo import (Context, Draft, Phrase, Retry, add_import_call, call,
                                 case_tests, finish_repo,
                                 func_imports, hidden_path, make_caller, module_doc,
@@ -41,61 +43,66 @@ def _near_miss(ctx: Context, module: str) -> str:
     return ctx.rng.choice(options)
 
 
+@dataclass
+class Breakage:
+    bad_import: str | None                     # the wrong import line, or None when missing
+    fix_line: str                              # the import line that fixes it
+    error: str                                 # the last line of the traceback
+    broken: str                                # the module to fix
+    why: str                                   # the oracle's diagnosis
+
+
+def _break(ctx: Context, variant: str, home: str, user: str, target, modules: dict) -> Breakage:
+    """Decide how the import breaks; `wrong_source` adds its decoy module to `modules`."""
+    pkg, name = ctx.pkg, target.name
+    good = f"from {pkg}.{home} import {name}"
+    if variant == "missing_import":
+        return Breakage(None, good, f"NameError: name '{name}' is not defined", user,
+                        f"`{pkg}/{user}.py` uses `{name}` without importing it")
+    if variant == "wrong_module":
+        wrong = _near_miss(ctx, home)
+        return Breakage(f"from {pkg}.{wrong} import {name}", good,
+                        f"ModuleNotFoundError: No module named '{pkg}.{wrong}'", user,
+                        f"there is no module `{pkg}.{wrong}`")
+    if variant == "wrong_source":
+        decoy = ctx.module()
+        decoy_funcs = [ctx.func(where=lambda k: not k.imports)
+                       for _ in range(ctx.rng.randint(1, 2))]
+        modules[decoy] = module_source(module_doc(ctx, decoy), [f.code for f in decoy_funcs])
+        return Breakage(f"from {pkg}.{decoy} import {name}", good,
+                        f"ImportError: cannot import name '{name}' from '{pkg}.{decoy}'", user,
+                        f"`{name}` is not defined in `{pkg}.{decoy}`")
+    lib = target.kernel.imports[0]
+    return Breakage(None, f"import {lib}", f"NameError: name '{lib}' is not defined", home,
+                    f"`{lib}` is used but never imported")
+
+
 def build(ctx: Context) -> Draft:
     rng, d, pkg = ctx.rng, ctx.difficulty, ctx.pkg
     variant = rng.choice(VARIANTS)
     home, user = ctx.module(), ctx.module()
-    if variant == "missing_stdlib":
-        target = ctx.func(where=lambda k: bool(k.imports))
-    else:
-        target = ctx.func()
+    target = ctx.func(where=lambda k: bool(k.imports)) if variant == "missing_stdlib" \
+        else ctx.func()
     neighbours = [ctx.func(where=lambda k: not k.imports) for _ in range(rng.randint(1, d))]
     funcs = neighbours[:]
     funcs.insert(rng.randint(0, len(funcs)), target)
     cases = ctx.cases(target, 5)
     caller = make_caller(ctx, target)
     extra = [ctx.func(where=lambda k: not k.imports)] if d >= 2 else []
-    good_import = f"from {pkg}.{home} import {target.name}"
-    home_imports = func_imports(funcs)
-    user_imports = [good_import] + func_imports(extra)
     modules = {}
-    decoy = None
-    if variant == "missing_import":
-        bad_import, fix_line = None, good_import
-        error = f"NameError: name '{target.name}' is not defined"
-        broken, check_call = user, True
-    elif variant == "wrong_module":
-        wrong = _near_miss(ctx, home)
-        bad_import, fix_line = f"from {pkg}.{wrong} import {target.name}", good_import
-        error = f"ModuleNotFoundError: No module named '{pkg}.{wrong}'"
-        broken, check_call = user, False
-    elif variant == "wrong_source":
-        decoy = ctx.module()
-        decoy_funcs = [ctx.func(where=lambda k: not k.imports) for _ in range(rng.randint(1, 2))]
-        modules[decoy] = module_source(module_doc(ctx, decoy), [f.code for f in decoy_funcs])
-        bad_import, fix_line = f"from {pkg}.{decoy} import {target.name}", good_import
-        error = f"ImportError: cannot import name '{target.name}' from '{pkg}.{decoy}'"
-        broken, check_call = user, False
-    else:
-        lib = target.kernel.imports[0]
-        home_imports = [i for i in home_imports if i != f"import {lib}"]
-        bad_import, fix_line = None, f"import {lib}"
-        error = f"NameError: name '{lib}' is not defined"
-        broken, check_call = home, True
-
+    brk = _break(ctx, variant, home, user, target, modules)
+    home_imports = [i for i in func_imports(funcs) if i != brk.fix_line]
     modules[home] = module_source(module_doc(ctx, home), [f.code for f in funcs], home_imports)
-    if variant in ("missing_import", "wrong_module", "wrong_source"):
-        user_imports = [bad_import] if bad_import else []
-        user_imports += func_imports(extra)
-    codes = [caller.code()] + [f.code for f in extra]
-    modules[user] = module_source(module_doc(ctx, user), codes, user_imports)
+    user_imports = [f"from {pkg}.{home} import {target.name}"] if variant == "missing_stdlib" \
+        else [brk.bad_import] if brk.bad_import else []
+    modules[user] = module_source(module_doc(ctx, user), [caller.code()] + [f.code for f in extra],
+                                  user_imports + func_imports(extra))
     files = package_files(ctx, modules)
 
     args = cases[0][0]
     if variant == "missing_stdlib":
-        command = f'python -c "from {pkg}.{home} import {target.name}; ' \
-                  f'print({target.call(args)})"'
-    elif check_call:
+        command = f'python -c "from {pkg}.{home} import {target.name}; print({target.call(args)})"'
+    elif brk.bad_import is None:
         command = f'python -c "from {pkg}.{user} import {caller.name}; print({caller.call(args)})"'
     else:
         command = f'python -c "import {pkg}.{user}"'
@@ -111,29 +118,25 @@ def build(ctx: Context) -> Draft:
     hidden_tests = {hidden_path(caller.name): test_source(
         {f"{pkg}.{home}": [target.name], f"{pkg}.{user}": [caller.name]}, hidden)}
 
-    instruction = phrase(ctx, PHRASES, command=command, error=error, pkg=pkg)
-    broken_path = f"{pkg}/{broken}.py"
-    if bad_import:
-        fix = call("edit_file", path=broken_path, old=bad_import, new=fix_line)
-    else:
-        fix = add_import_call(files[broken_path], broken_path, fix_line)
-    turns = [turn("Let me reproduce the error first.", call("run_command", command=command))]
-    to_read = [broken_path]
-    if variant != "missing_stdlib":
-        turns.append(turn(f"Where is `{target.name}` defined?",
-                          call("grep", pattern=f"def {target.name}\\b")))
-    turns.append(reads(ctx, to_read))
-    why = {"missing_import": f"`{broken_path}` uses `{target.name}` without importing it",
-           "wrong_module": f"`{pkg}.{bad_import.split()[1].split('.')[-1]}` does not exist"
-           if bad_import else "",
-           "wrong_source": f"`{target.name}` is not defined in the module it is imported from",
-           "missing_stdlib": f"`{fix_line.split()[-1]}` is used but never imported"}[variant]
-    turns.append(turn(f"{why}; the fix is `{fix_line}`.", fix))
-    turns.append(turn("Running the command again.", call("run_command", command=command)))
-    if rng.random() < 0.2:
-        turns.append(tests_check(ctx))
-    summary = f"Fixed the import in {broken_path} (`{fix_line}`); `{command}` now works."
+    instruction = phrase(ctx, PHRASES, command=command, error=brk.error, pkg=pkg)
+    turns = _plan(ctx, brk, files, command, target.name, variant != "missing_stdlib")
+    summary = f"Fixed the import in {pkg}/{brk.broken}.py (`{brk.fix_line}`); `{command}` works."
     files = finish_repo(ctx, files, list(modules))
     return Draft(instruction, files, hidden_tests, {"turns": turns, "summary": summary},
                  {"kernel": target.kernel.key, "variant": variant})
 
+
+def _plan(ctx: Context, brk: Breakage, files: dict, command: str, name: str,
+          search: bool) -> list[dict]:
+    """Reproduce, (find the definition,) read, fix the import, rerun (, run the tests)."""
+    path = f"{ctx.pkg}/{brk.broken}.py"
+    fix = call("edit_file", path=path, old=brk.bad_import, new=brk.fix_line) if brk.bad_import \
+        else add_import_call(files[path], path, brk.fix_line)
+    turns = [turn("Let me reproduce the error first.", call("run_command", command=command))]
+    if search:
+        turns.append(turn(f"Where is `{name}` defined?", call("grep", pattern=f"def {name}\\b")))
+    turns += [reads(ctx, [path]), turn(f"{brk.why}; the fix is `{brk.fix_line}`.", fix),
+              turn("Running the command again.", call("run_command", command=command))]
+    if ctx.rng.random() < 0.2:
+        turns.append(tests_check(ctx))
+    return turns
