@@ -140,7 +140,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
             step = done = step + 1
             if c.fit_to_time and c.max_seconds and done - start in (10, 50):
                 per_step = (time.time() - t0) / (done - start)
-                total = min(total, done + int((c.max_seconds - (time.time() - t0)) / per_step))
+                total = min(c.steps, done + int((c.max_seconds - (time.time() - t0)) / per_step))
                 log({"planned_steps": total, "seconds_per_step": per_step})
             if done % c.log_every == 0 or done == total:
                 row = {"step": done, "loss": sum(window) / len(window), "aux": aux.item(),
