@@ -28,7 +28,7 @@ from learner.recipe.tokenizer_stage import TokenizerConfig
 
 def default_recipe() -> RecipeConfig:
     """The shipped model: qwen3_moe, hidden 384, 6 layers, 8 experts top-2, vocab 8192."""
-    return RecipeConfig(eval=EvalConfig(n=200, max_seconds=50))
+    return RecipeConfig(eval=EvalConfig(n=200))
 
 
 def toy_recipe() -> RecipeConfig:

@@ -67,8 +67,8 @@ class ModelShape:
 class PretrainConfig:
     shape: ModelShape = field(default_factory=ModelShape)   # the model to build
     train: LMConfig = field(default_factory=lambda: LMConfig(
-        steps=20000, lr=2e-3, warmup=100, max_seconds=150, fit_to_time=True,
-        checkpoint_every=500, log_every=50))                # the optimization (GPU: 150 s)
+        steps=20000, lr=2e-3, warmup=100, max_seconds=600, fit_to_time=True,
+        checkpoint_every=500, log_every=50))                # the optimization (10 min)
     corpus_bytes: int = 48_000_000  # source bytes tokenized for training (held-out on top)
     heldout_bytes: int = 1_000_000  # held-out source bytes (perplexity)
     heldout_percent: int = 2        # must match the tokenizer stage's split

@@ -40,8 +40,8 @@ from learner.tasks.oracle import OraclePolicy
 @dataclass
 class SFTConfig:
     train: LMConfig = field(default_factory=lambda: LMConfig(
-        steps=5000, lr=1e-3, warmup=30, weight_decay=0.0, max_seconds=70, fit_to_time=True,
-        checkpoint_every=200))      # the optimization (GPU: 70 s)
+        steps=5000, lr=1e-3, warmup=30, weight_decay=0.0, max_seconds=300, fit_to_time=True,
+        checkpoint_every=200))      # the optimization (5 min)
     tasks: int = 1500               # training-split instances solved by the oracle
     task_seed: int = 0              # generate("train", tasks, seed=task_seed)
     summary_share: float = 0.15     # episodes run with a small window (summaries happen)

@@ -37,7 +37,7 @@ class GRPOStageConfig:
     max_new_tokens: int = 400       # per model call in rollouts
     max_steps: int = 10             # model calls per episode
     workers: int = 6                # rollout workers (policy copies), async pipeline
-    max_seconds: float = 45.0       # stop after this wall time (0 = no limit)
+    max_seconds: float = 300.0      # stop after this wall time (0 = no limit)
     device: str = "auto"            # trainer and rollout device
     seed: int = 0
 
