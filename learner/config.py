@@ -55,6 +55,9 @@ class RolloutConfig:
     dtype: str = "bfloat16"         # dtype of the rollout policies' weights
     device: str = "cpu"             # where the rollout policies run
     workers: int = 1                # rollout workers, each with its own policy copy (async only)
+    processes: bool = True          # async workers are processes (no GIL shared with the
+                                    # trainer; weights via shared memory); False: threads
+    worker_threads: int = 1         # torch intra-op threads of each worker process
     top_p: float = 1.0              # must stay 1: training logprobs ignore nucleus filtering
     top_k: int = 0                  # must stay 0: training logprobs ignore top-k filtering
 

@@ -1,12 +1,15 @@
 """The GRPO pipeline: rollout workers against the trainer, asynchronous or synchronous.
 
-Asynchronous (default): rollout worker threads, each with its own policy copy, keep running
-task groups (G episodes of one task, recorded in the session store like any session) with the
-newest published version, while the trainer trains on finished groups. Weights reach the
-workers between model calls (`EnginePolicy.swap_state`), so every sample, hence every token,
-carries the version that generated it. Samples more than `max_staleness` versions behind the
-trainer are dropped; the queue of finished groups is bounded so workers cannot run far ahead.
-Synchronous: generate a batch with the current version, train on it, repeat (for comparison).
+Asynchronous (default): rollout workers, each with its own policy copy, keep running task
+groups (G episodes of one task, recorded in the session store like any session) with the
+newest published version, while the trainer trains on finished groups. Workers are processes
+by default (no GIL shared with the trainer: generation and training really overlap on CPU),
+or threads. The trainer puts each new version on a `WeightBoard` in shared memory; workers
+copy it in between model calls (`EnginePolicy.swap_state`), so every sample, hence every
+token, carries the version that generated it. Samples more than `max_staleness` versions
+behind the trainer are dropped; the queues between workers and trainer are bounded so workers
+cannot run far ahead. Synchronous: generate a batch with the current version, train on it,
+repeat (for comparison).
 
 Task families: "sim" (`learner.tasks` + `learner.rollout`) and "toy" (one model call, reward =
 share of even token ids in the completion: trivially learnable, for tests and benchmarks).
@@ -17,15 +20,18 @@ Not here: the loss (`grpo.py`) and the update, checkpoints and publishing (`trai
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+import torch.multiprocessing as mp
 
 from learner.config import RolloutConfig, RunConfig
 from learner.grpo import Episode, Group, group_samples
@@ -102,31 +108,57 @@ def task_family(name: str, seed: int = 0) -> tuple[list[Any], GroupRunner]:
 
 # -- weights ------------------------------------------------------------------------------------
 
-class WeightBoard:
-    """The newest published (version, state); workers copy it into their policies."""
+LOCK_TIMEOUT_S = 60.0
 
-    def __init__(self, version: int, state: dict[str, torch.Tensor]):
-        self._lock = threading.Lock()
-        self.version, self.state = version, state
+
+class _Moved(Exception):
+    """The board changed version while a policy was about to copy from it."""
+
+
+class WeightBoard:
+    """The newest published (version, state) in shared memory: rollout workers (threads or
+    processes) copy it into their policies between model calls. The board's lock is held
+    only while tensors are copied, never while a policy generates."""
+
+    def __init__(self, version: int, state: dict[str, torch.Tensor], ctx: Any = None):
+        ctx = ctx or mp.get_context("spawn")
+        self.tensors = {k: v.detach().to("cpu", copy=True).share_memory_()
+                        for k, v in state.items()}
+        self._version = ctx.Value("q", version, lock=False)
+        self._lock = ctx.Lock()
+
+    @property
+    def version(self) -> int:
+        return self._version.value
 
     def put(self, version: int, state: dict[str, torch.Tensor]) -> None:
         with self._lock:
-            self.version, self.state = version, state
+            for name, t in self.tensors.items():
+                t.copy_(state[name])
+            self._version.value = version
 
     def follow(self, policy: Any) -> "Following":
         return Following(policy, self)
 
     def sync(self, policy: Any) -> None:
-        """Bring `policy` to the newest version (waits for its model call in flight)."""
-        with self._lock:
-            version, state = self.version, self.state
-        if policy.version == version:
-            return
+        """Bring `policy` to the newest version (after its model call in flight, if any)."""
+        while policy.version != self.version:
+            version = self.version
 
-        def copy_in(live: dict[str, torch.Tensor]) -> None:
-            for name, t in live.items():
-                t.copy_(state[name])
-        policy.swap_state(copy_in, version)
+            def copy_in(live: dict[str, torch.Tensor]) -> None:
+                if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):   # its holder died
+                    raise TimeoutError("the weight board's lock was not released")
+                try:
+                    if self._version.value != version:
+                        raise _Moved                 # before writing anything: retry
+                    for name, t in live.items():
+                        t.copy_(self.tensors[name])
+                finally:
+                    self._lock.release()
+            try:
+                policy.swap_state(copy_in, version)
+            except _Moved:
+                continue
 
 
 class Following:
@@ -166,11 +198,16 @@ class Pipeline:
     """Rollout workers + trainer for one run; `run()` trains until `steps` or a time limit."""
 
     def __init__(self, trainer: Trainer, policies: list[Any], tasks: Sequence[Any],
-                 runner: GroupRunner, store: Any, config: RunConfig, cursor: int = 0):
-        if not policies:
+                 runner: GroupRunner, store: Any, config: RunConfig, cursor: int = 0,
+                 model_path: str | Path | None = None):
+        processes = config.pipeline.mode == "async" and config.rollout.processes
+        if processes and model_path is None:
+            raise ValueError("rollout worker processes need the model path")
+        if not processes and not policies:
             raise ValueError("need at least one rollout policy")
         self.trainer, self.policies, self.tasks = trainer, policies, list(tasks)
         self.runner, self.store, self.config = runner, store, config
+        self.model_path = model_path
         self.cursor = cursor                     # index of the next task (saved in checkpoints)
         self.board = WeightBoard(trainer.version, trainer.published)
         self.stats = Stats()
@@ -178,11 +215,13 @@ class Pipeline:
         self._stop = threading.Event()
         self._error: BaseException | None = None
 
-    def _next_task(self) -> Any:
+    def _next_index(self) -> int:
         with self._lock:
-            task = self.tasks[self.cursor % len(self.tasks)]
             self.cursor += 1
-            return task
+            return self.cursor - 1
+
+    def _next_task(self) -> Any:
+        return self.tasks[self._next_index() % len(self.tasks)]
 
     def _group(self, policy: Any) -> Group:
         group = self.runner(self.board.follow(policy), self._next_task(), self.store,
@@ -264,10 +303,10 @@ class Pipeline:
     def _run_async(self, target: int, deadline: float | None, on_step) -> None:
         p = self.config.pipeline
         q: queue.Queue[Group] = queue.Queue(maxsize=p.queue_groups or p.groups_per_step)
-        workers = [threading.Thread(target=self._worker, args=(policy, q), daemon=True,
-                                    name=f"rollout-{i}") for i, policy in enumerate(self.policies)]
-        for w in workers:
-            w.start()
+        if self.config.rollout.processes:
+            finish = self._start_processes(q)
+        else:
+            finish = self._start_threads(q)
         try:
             while self._more(self.trainer, target, deadline):
                 t0 = time.perf_counter()
@@ -285,29 +324,140 @@ class Pipeline:
                     on_step(row)
         finally:
             self._stop.set()
+            finish()
+
+    def _put(self, q: Any, item: Any, stop: Any = None) -> bool:
+        """Put into a bounded queue unless asked to stop first."""
+        stop = stop or self._stop
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    # -- rollout workers: threads ------------------------------------------------------------
+
+    def _start_threads(self, q: queue.Queue) -> Callable[[], None]:
+        workers = [threading.Thread(target=self._worker, args=(policy, q), daemon=True,
+                                    name=f"rollout-{i}") for i, policy in enumerate(self.policies)]
+        for w in workers:
+            w.start()
+
+        def finish() -> None:
             for w in workers:
                 w.join(timeout=60)
+        return finish
 
     def _worker(self, policy: Any, q: queue.Queue) -> None:
         try:
             while not self._stop.is_set():
-                group = self._group(policy)
-                while not self._stop.is_set():
-                    try:
-                        q.put(group, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
+                self._put(q, self._group(policy))
         except BaseException as exc:             # surfaced by the trainer loop
             self._error = exc
             self._stop.set()
+
+    # -- rollout workers: processes -----------------------------------------------------------
+
+    def _start_processes(self, q: queue.Queue) -> Callable[[], None]:
+        """Worker processes (own policy copy, weights from the shared board) record groups in
+        the store; a feeder thread hands out task indices, a collector thread reads the
+        finished groups' samples back from the store into `q`."""
+        ctx = mp.get_context("spawn")
+        n = max(1, self.config.rollout.workers)
+        tasks_q, out_q, stop = ctx.Queue(maxsize=n), ctx.Queue(maxsize=n), ctx.Event()
+        procs = [ctx.Process(target=_worker_main, daemon=True, name=f"rollout-{i}",
+                             args=(self.config, str(self.model_path), str(self.store.home),
+                                   self.board, i, tasks_q, out_q, stop, os.getpid()))
+                 for i in range(n)]
+        for proc in procs:
+            proc.start()
+        threads = [threading.Thread(target=self._feed, args=(tasks_q,), daemon=True),
+                   threading.Thread(target=self._collect, args=(out_q, q, procs), daemon=True)]
+        for t in threads:
+            t.start()
+
+        def finish() -> None:
+            stop.set()
+            for proc in procs:
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.terminate()
+            for t in threads:
+                t.join(timeout=5)
+        return finish
+
+    def _feed(self, tasks_q: Any) -> None:
+        while not self._stop.is_set():
+            self._put(tasks_q, self._next_index())
+
+    def _collect(self, out_q: Any, q: queue.Queue, procs: list) -> None:
+        while not self._stop.is_set():
+            dead = [p for p in procs if p.exitcode is not None]
+            try:                                 # a dead worker's last words come first
+                kind, payload = out_q.get(timeout=1.0 if dead else 0.1)
+            except queue.Empty:
+                if not dead:
+                    continue
+                kind, payload = "error", f"{dead[0].name} exited with code {dead[0].exitcode}"
+            if kind == "error":
+                self._error = RuntimeError(f"rollout worker process:\n{payload}")
+                self._stop.set()
+                return
+            payload.samples = [self.store.samples(e.session_id) for e in payload.episodes]
+            with self._lock:
+                self.stats.episodes_generated += len(payload.episodes)
+            self._put(q, payload)
+
+
+def _worker_main(config: RunConfig, model_path: str, home: str, board: WeightBoard, index: int,
+                 tasks_q: Any, out_q: Any, stop: Any, parent: int) -> None:
+    """A rollout worker process: its own policy, following the board, recording groups in
+    the session store and sending back (task, episodes) without the samples. Ends with its
+    parent (a killed trainer leaves no orphans behind)."""
+    try:
+        from agent_runtime.store import SessionStore
+        torch.set_num_threads(max(1, config.rollout.worker_threads))
+        torch.manual_seed(config.pipeline.seed * 1009 + index + 1)
+        policy = rollout_policy(config, model_path)
+        tasks, runner = task_family(config.tasks, config.pipeline.seed)
+        with SessionStore(home) as store:
+            while not stop.is_set() and os.getppid() == parent:
+                try:
+                    i = tasks_q.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                g = runner(board.follow(policy), tasks[i % len(tasks)], store, config.rollout,
+                           stop.is_set)
+                item = ("group", Group(g.task_id, g.episodes))
+                while not stop.is_set() and os.getppid() == parent:
+                    try:
+                        out_q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+    except BaseException:
+        try:
+            out_q.put(("error", traceback.format_exc()), timeout=5)
+        except Exception:
+            pass
+
+
+def rollout_policy(config: RunConfig, model_path: str | Path) -> Any:
+    """An `EnginePolicy` sampling as the trainer expects (full distribution, its temperature)."""
+    from agent_runtime.engine_policy import EnginePolicy
+    r = config.rollout
+    return EnginePolicy.load(str(model_path), dtype=r.dtype, device=r.device,
+                             temperature=config.trainer.temperature, top_p=r.top_p,
+                             top_k=r.top_k, max_new_tokens=r.max_new_tokens)
 
 
 def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = None,
           policy_factory: Callable[[], Any] | None = None) -> Pipeline:
     """A pipeline for `config`: trainer opened (resumed when the run folder has a checkpoint),
     rollout policies loaded and brought to the trainer's version, tasks chosen."""
-    from agent_runtime.engine_policy import EnginePolicy, resolve_model_path
+    from agent_runtime.engine_policy import resolve_model_path
 
     if config.rollout.top_p != 1.0 or config.rollout.top_k != 0:
         raise ValueError("rollouts must sample from the full distribution (top_p 1, top_k 0): "
@@ -318,14 +468,15 @@ def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = No
     model_path = resolve_model_path(config.model)
     trainer, extra = Trainer.open(model_path, run_dir, config.trainer, versions, store)
     r = config.rollout
-    factory = policy_factory or (lambda: EnginePolicy.load(
-        str(model_path), dtype=r.dtype, device=r.device, temperature=config.trainer.temperature,
-        top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens))
-    n_workers = r.workers if p.mode == "async" else 1
-    policies = [factory() for _ in range(max(1, n_workers))]
+    factory = policy_factory or (lambda: rollout_policy(config, model_path))
+    if p.mode == "async" and r.processes:
+        n_local = 0                              # the worker processes load their own
+    else:
+        n_local = max(1, r.workers) if p.mode == "async" else 1
+    policies = [factory() for _ in range(n_local)]
     tasks, runner = task_family(config.tasks, p.seed)
     pipe = Pipeline(trainer, policies, tasks, runner, store, config,
-                    cursor=(extra or {}).get("cursor", 0))
+                    cursor=(extra or {}).get("cursor", 0), model_path=model_path)
     for policy in policies:
         pipe.board.sync(policy)
     return pipe

@@ -32,10 +32,10 @@ def ckpt(tmp_path_factory):
     return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-def config(ckpt, mode: str, steps: int = 3, **pipe) -> RunConfig:
+def config(ckpt, mode: str, steps: int = 3, processes: bool = False, **pipe) -> RunConfig:
     return RunConfig(model=str(ckpt), tasks="toy",
                      trainer=TrainerConfig(optim=OptimConfig(lr=1e-2)),
-                     rollout=RolloutConfig(group_size=4, max_new_tokens=6),
+                     rollout=RolloutConfig(group_size=4, max_new_tokens=6, processes=processes),
                      pipeline=PipelineConfig(mode=mode, steps=steps, groups_per_step=2, **pipe))
 
 
@@ -62,13 +62,15 @@ def test_sync_mode_trains_only_on_policy(ckpt, tmp_path):
     assert versions.latest().version == 4 == pipe.trainer.version
 
 
-def test_async_mode_tags_every_sample_with_a_published_version(ckpt, tmp_path):
-    pipe, store, versions = build(ckpt, tmp_path, "async", steps=4)
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_async_mode_tags_every_sample_with_a_published_version(ckpt, tmp_path, processes):
+    pipe, store, versions = build(ckpt, tmp_path, "async", steps=4, processes=processes)
     rows = []
     stats = pipe.run(on_step=rows.append)
     assert pipe.trainer.step_count == 4 and stats.episodes_trained == 4 * 2 * 4
     published = {i.version for i in map(versions.info, range(1, versions.latest().version + 1))}
-    assert {s["policy_version"] for s in all_samples(store)} <= published
+    used = {s["policy_version"] for s in all_samples(store)}
+    assert used <= published and len(used) > 1          # workers followed the new versions
     assert all(r["staleness_max"] is None or r["staleness_max"] <= 2 for r in rows)
     assert max(stats.staleness) <= 2
 
@@ -128,6 +130,14 @@ def test_a_failing_worker_stops_the_run(ckpt, tmp_path):
     assert isinstance(info.value.__cause__, OSError)
 
 
+def test_a_failing_worker_process_stops_the_run(ckpt, tmp_path):
+    pipe, _, _ = build(ckpt, tmp_path, "async", processes=True)
+    pipe.model_path = tmp_path / "missing"                 # the worker cannot load its policy
+    with pytest.raises(RuntimeError, match="rollout worker failed") as info:
+        pipe.run()
+    assert "missing" in str(info.value.__cause__) and pipe.trainer.step_count == 0
+
+
 def test_a_time_limit_stops_the_run(ckpt, tmp_path):
     pipe, _, _ = build(ckpt, tmp_path, "async", steps=1000)
     stats = pipe.run(max_seconds=0.0)
@@ -144,3 +154,21 @@ def test_rollouts_must_sample_the_full_distribution(ckpt, tmp_path):
 def test_toy_reward_ignores_stop_tokens():
     assert pipeline.toy_reward([2, 4, 5, 7], stop_ids=[7]) == pytest.approx(2 / 3)
     assert pipeline.toy_reward([7], stop_ids=[7]) == 0.0
+
+
+def test_weights_are_never_labelled_with_another_version():
+    board = pipeline.WeightBoard(1, {"w": torch.ones(3)})
+
+    class Policy:                                # publishes while "waiting for its lock"
+        version, weights, pending = 0, {"w": torch.zeros(3)}, [2]
+
+        def swap_state(self, update, version):
+            if self.pending:
+                v = self.pending.pop()
+                board.put(v, {"w": torch.full((3,), float(v))})
+            update(self.weights)
+            self.version = version
+
+    policy = Policy()
+    board.sync(policy)
+    assert policy.version == 2 and policy.weights["w"].tolist() == [2.0, 2.0, 2.0]
