@@ -107,7 +107,10 @@ def build(ctx: Context) -> Draft:
                                               old=f"from {pkg}.{mod} import {existing[0].name}",
                                               new=f"from {pkg}.{mod} import {existing[0].name}, "
                                                   f"{feature.name}"))
-    turns = [reads(ctx, [path, visible_test]),
+    first = reads(ctx, [path])
+    first["calls"].append(call("list_files", path="tests"))
+    turns = [first, turn("And the existing tests, for their style.",
+                         call("read_file", path=visible_test)),
              turn(rng.choice(["Adding the function and a test for it.",
                               "Writing the new function, then its test.",
                               "Implementing the feature with a test."]), *edits),

@@ -123,6 +123,9 @@ def build(ctx: Context) -> Draft:
         turns.append(turn(f"It calls `{target.name}` from `{path}`; reading that.",
                           call("read_file", path=path)))
     else:
+        if path not in instruction or visible_target:   # find the function (and its test)
+            turns.append(turn(f"Let me find `{target.name}`.",
+                              call("grep", pattern=f"\\b{target.name}\\b")))
         turns.append(reads(ctx, [path] + ([f"tests/test_{mod}.py"] if visible_target else [])))
     fix = edit_call(modules[mod], bad, good, path, within=bad_code)
     turns.append(turn(f"The bug is {KIND_WORDS[bug.kind]} in `{target.name}`: `{bad.strip()}` "

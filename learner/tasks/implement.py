@@ -7,7 +7,7 @@ documented behaviour, edge cases included.
 
 from __future__ import annotations
 
-from learner.tasks.repo import (Context, Draft, Phrase, case_tests, finish_repo,
+from learner.tasks.repo import (Context, Draft, Phrase, call, case_tests, finish_repo,
                                 func_imports, hidden_path, module_doc, module_source,
                                 package_files, phrase, python_check, reads, test_source,
                                 tests_check, turn, with_docstring, edit_call)
@@ -85,7 +85,9 @@ def build(ctx: Context) -> Draft:
         stub_body, body = solutions[t.name]
         edits.append(edit_call(text, stub_body, body, path, within=stubbed[t.name]))
         text = text.replace(stubbed[t.name], stubbed[t.name].replace(stub_body, body))
-    turns = [reads(ctx, [path]),
+    turns = [] if path in instruction else [
+        turn(f"Let me find {fn}.", call("grep", pattern=f"def {targets[0].name}\\b"))]
+    turns += [reads(ctx, [path]),
              turn(rng.choice(["Writing the implementation.", "Now the body, following the "
                               "docstring.", "Implementing it as documented."]), *edits)]
     t0 = targets[0]

@@ -56,6 +56,17 @@ def test_plans_read_edit_check_and_finish_with_builtin_tools():
         assert len(turns) + 1 >= 3
 
 
+def test_the_oracle_only_opens_files_it_was_told_about_or_has_searched_for():
+    for task in generate("train", 60, seed=3) + generate("heldout", 60, seed=3):
+        looked = False                         # a grep, list_files or command output came first
+        for turn in task.solution["turns"]:
+            for c in turn["calls"]:
+                if c["name"] == "read_file" and not looked:
+                    assert c["arguments"]["path"] in task.instruction, (task.id, c)
+            looked = looked or any(c["name"] in ("grep", "list_files", "run_command")
+                                   for c in turn["calls"])
+
+
 def test_script_is_tool_call_text_and_ends_with_finish():
     task = generate("train", 1)[0]
     turns = script(task)
