@@ -218,9 +218,11 @@ def run(out: Path, config: TokenizerConfig, files: list[tuple[str, Path]] | None
     ranks = train_bpe(counts, n_merges)
     tok = build_tokenizer(ranks, config.pat_str)
     save_tokenizer(tok, out, DEFAULT_CHAT_TEMPLATE)
-    sample = "".join(texts[:50])
-    n_tokens = len(tok.encode(sample, special=False))
+    heldout = [t for _, t in read_texts([(n, p) for n, p in files
+                                         if is_heldout(n, config.heldout_percent)], 1_000_000)]
+    n_bytes = sum(len(t.encode("utf-8")) for t in heldout)
+    n_tokens = sum(len(tok.encode(t, special=False)) for t in heldout)
     return {"vocab_size": tok.vocab_size, "merges": len(ranks) - 256,
             "train_files": len(texts), "train_bytes": sum(len(t.encode()) for t in texts),
             "unique_words": len(counts),
-            "bytes_per_token": round(len(sample.encode()) / max(n_tokens, 1), 3)}
+            "heldout_bytes_per_token": round(n_bytes / max(n_tokens, 1), 3)}

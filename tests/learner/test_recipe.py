@@ -210,3 +210,16 @@ def test_oracle_looks_before_reading_unnamed_files():
         named = all(p in task.instruction for p in re.findall(r'"path": "([^"]+)"', first_read))
         assert named or any('"grep"' in t or '"list_files"' in t or '"run_command"' in t
                             for t in before), task.id
+
+
+def test_tokenizer_stage_trains_on_train_files_and_measures_heldout(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    files = []
+    for i in range(200):
+        path = src / f"mod{i}.py"
+        path.write_text(CODE[i * 400:(i + 1) * 400] or "pass\n")
+        files.append((f"stdlib/mod{i}.py", path))
+    metrics = ts.run(tmp_path / "tok", ts.TokenizerConfig(vocab_size=400, train_bytes=60_000), files)
+    assert metrics["vocab_size"] == 400 and 1.5 < metrics["heldout_bytes_per_token"] < 6
+    assert load_tokenizer(tmp_path / "tok").decode(load_tokenizer(tmp_path / "tok").encode(CODE[:500])) == CODE[:500]
