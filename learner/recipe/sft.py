@@ -7,9 +7,7 @@ the engine uses), so each stored sample holds the exact prompt and completion to
 would see and write, `<tool_call>` blocks and tool schemas included. A share of the episodes runs
 with a small context window so the self-summarizing context kicks in: those summary requests are
 answered with a structured summary (goal, calls made, files touched, next step) built from the
-conversation, so the model learns to write the segments the runtime asks for. Where the oracle
-would open a file nobody has named yet (it knows the path from its plan), a `grep` or
-`list_files` turn goes first, so every path the model is taught to use is in its context.
+conversation, so the model learns to write the segments the runtime asks for.
 
 Sequences: consecutive samples of a session whose next prompt extends the previous prompt and
 completion are merged into one token sequence; the loss mask covers the completion tokens (and
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -63,7 +60,6 @@ class RecordingOracle(OraclePolicy):
     def __init__(self, task, tokenizer, template, context_window: int):
         super().__init__(task, context_window=context_window)
         self.tokenizer, self.template = tokenizer, template
-        self.turns = ground_paths(task, self.turns)
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
@@ -73,33 +69,6 @@ class RecordingOracle(OraclePolicy):
         if messages and messages[-1].get("kind") == SUMMARY_REQUEST and not self.summaries:
             self.summaries.append(summarize(messages, self.turns))
         return super().complete(messages, tools, **kw)
-
-
-def ground_paths(task, turns: list[str]) -> list[str]:
-    """The oracle's turns with a look-around first when it would read files the conversation
-    has not named yet (it knows them from its plan; a model must find them): a `grep` for the
-    instruction's first backticked name defined in the repo, else a `list_files`."""
-    from agent_runtime.toolcalls import parse_tool_calls
-    from learner.tasks.oracle import render_turn
-    for turn in turns:
-        names = [c.name for c in parse_tool_calls(turn).calls]
-        if any(n in ("grep", "run_command", "list_files") for n in names):
-            return turns
-        reads = [(c.arguments or {}).get("path", "") for c in parse_tool_calls(turn).calls
-                 if c.name == "read_file"]
-        if reads:
-            if all(p in task.instruction for p in reads):
-                return turns
-            break
-    else:
-        return turns
-    code = "\n".join(v for v in task.files.values() if isinstance(v, str))
-    for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", task.instruction):
-        if re.search(rf"def {name}\b", code):
-            first = render_turn(f"Let me find `{name}`.",
-                                [{"name": "grep", "arguments": {"pattern": rf"\b{name}\b"}}])
-            return [first, *turns]
-    return [render_turn("Let me see the files.", [{"name": "list_files", "arguments": {}}]), *turns]
 
 
 def summarize(messages: list[dict], plan: list[str]) -> str:
