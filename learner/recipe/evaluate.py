@@ -4,6 +4,8 @@
 model calls. Here each process loads its own copy of the checkpoint (on the GPU when there is
 one) and runs its share of the tasks with `learner.rollout.run_episode`, so a 16-core GPU
 machine evaluates 200 tasks in a couple of minutes. Greedy decoding; one episode per task.
+Processes are spawned (CUDA cannot fork), so a script calling `evaluate_model` with more than
+one process needs the `if __name__ == "__main__":` guard.
 
 It does not format reports for people (`learner.eval` does) and it does not train.
 """
