@@ -25,6 +25,7 @@ from agent_runtime.model import load_model, save_model
 from agent_runtime.model.config import args_from_hf
 from agent_runtime.model.generate import SamplingParams, generate
 from agent_runtime.model.model import MoEModel
+from agent_runtime.policy import resolve_model_path
 
 TEST_SHAPE = {  # ~0.5 B parameters: hidden 1024, 8 layers, 32 experts top-4, width 512
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32768,
@@ -110,7 +111,8 @@ def time_hf(model, prompt, new, device, reps):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="HF MoE checkpoint dir (default: a random ~0.5 B test shape)")
+    ap.add_argument("--model", help="HF MoE checkpoint dir or 'default' (the shipped model); "
+                    "without it, a random ~0.5 B test shape")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -122,7 +124,7 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     tmp = None
-    path = Path(args.model) if args.model else None
+    path = resolve_model_path(args.model) if args.model else None
     if path is None:
         tmp = tempfile.TemporaryDirectory()
         path = make_checkpoint(Path(tmp.name) / "moe")
