@@ -284,16 +284,16 @@ class MoEModel(nn.Module):
             raise ValueError(f"KV cache overflow: {past + T} tokens > cache length {cache.max_len}")
         valid = attention_mask.bool() if attention_mask is not None else None
         if cache is not None:
+            if valid is None and past and not bool(cache.valid[:, :past].all()):
+                valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # padded rows
             cache.valid[:, past:past + T] = True if valid is None else valid
-            if valid is None and not bool(cache.valid[:, :past].all()):
-                valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-        if positions is None:
-            if cache is not None and (valid is not None or not bool(cache.valid[:, :past].all())):
-                positions = cache.valid[:, :past + T].long().cumsum(-1)[:, past:] - 1
-            elif valid is not None:
-                positions = valid.long().cumsum(-1) - 1
-            else:
+        if positions is None:                  # left padding shifts each row's positions
+            if valid is None:
                 positions = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
+            elif cache is not None:
+                positions = cache.valid[:, :past + T].long().cumsum(-1)[:, past:] - 1
+            else:
+                positions = valid.long().cumsum(-1) - 1
             positions = positions.clamp(min=0)
         mask, causal = self._mask(B, T, past, valid, cache, input_ids.device)
 
