@@ -3,6 +3,7 @@
     python bench/async.py                          # toy tasks, 120 s per setting
     python bench/async.py --seconds 300 --tasks sim
     python bench/async.py --settings sync:2,async:process:1 --json out.json
+    python bench/async.py --rounds 3 --seconds 40   # interleaved rounds, medians reported
     taskset -c 0,1 python bench/async.py           # two cores of a bigger machine
 
 Same model (bench/replay.py's small qwen3_moe), same tasks, same batch shape, same machine.
@@ -19,7 +20,9 @@ Reported per setting: optimizer steps, episodes generated and trained on per hou
 whole wall time, which includes starting worker processes, and in steady state: from the
 end of the first step to the end), trainer idle fraction (time the trainer waited for
 rollouts / wall time), staleness of trained samples, and each async setting's ratio to the
-best sync setting in episodes trained per hour. Checkpoints are off in every setting
+best sync setting in episodes trained per hour. With `--rounds R` the settings run R times
+in turn (A B C A B C ...) and the medians are reported, so load that other tenants put on a
+shared machine falls on every setting alike. Checkpoints are off in every setting
 (publishing versions stays on).
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -88,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=120.0, help="wall time per setting")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS, help="see the module docstring")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (medians)")
     ap.add_argument("--tasks", default="toy", choices=["toy", "sim"])
     ap.add_argument("--group", type=int, default=8, help="episodes per task (G)")
     ap.add_argument("--groups-per-step", type=int, default=2)
@@ -101,18 +106,26 @@ def main() -> None:
     print(f"cpus: {os.cpu_count()}, affinity: {len(os.sched_getaffinity(0))}, torch "
           f"{torch.__version__}, {a.seconds:.0f} s per setting, tasks {a.tasks}, G {a.group}, "
           f"{a.groups_per_step} groups/step, {a.tokens} tokens/call, device {a.device}")
-    results = []
+    specs = a.settings.split(",")
+    runs: dict[str, list[dict]] = {spec: [] for spec in specs}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_agent_checkpoint(Path(tmp) / "ckpt")
-        for spec in a.settings.split(","):
-            r = run_setting(ckpt, Path(tmp), spec, a)
-            results.append(r)
-            print(f"{spec:>16}: {r['steps']:>4} steps, {r['episodes_trained']:>5} episodes "
-                  f"trained ({r['trained_per_hour']:7.0f}/h, steady "
-                  f"{r['trained_per_hour_steady']:7.0f}/h; generated "
-                  f"{r['generated_per_hour']:7.0f}/h), trainer idle "
-                  f"{100 * r['trainer_idle']:5.1f}%, staleness {r['staleness_mean']:.2f}, "
-                  f"stale dropped {r['stale_dropped']}", flush=True)
+        for k in range(a.rounds):
+            for spec in specs:
+                r = run_setting(ckpt, Path(tmp) / f"round{k}", spec, a)
+                runs[spec].append(r)
+                if a.rounds > 1:
+                    print(f"  round {k + 1} {spec}: {r['trained_per_hour']:.0f}/h, steady "
+                          f"{r['trained_per_hour_steady']:.0f}/h, idle "
+                          f"{100 * r['trainer_idle']:.1f}%", flush=True)
+    results = [median_run(runs[spec]) for spec in specs]
+    for r in results:
+        print(f"{r['setting']:>16}: {r['steps']:>4} steps, {r['episodes_trained']:>5} episodes "
+              f"trained ({r['trained_per_hour']:7.0f}/h, steady "
+              f"{r['trained_per_hour_steady']:7.0f}/h; generated "
+              f"{r['generated_per_hour']:7.0f}/h), trainer idle "
+              f"{100 * r['trainer_idle']:5.1f}%, staleness {r['staleness_mean']:.2f}, "
+              f"stale dropped {r['stale_dropped']}")
     syncs = [r for r in results if r["mode"] == "sync"]
     ratios = {}
     if syncs:
@@ -129,7 +142,17 @@ def main() -> None:
                   f"{100 * best['trainer_idle']:.1f}%")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                      "results": results, "ratios": ratios}, indent=1))
+                                      "results": results, "ratios": ratios, "runs": runs},
+                                     indent=1))
+
+
+def median_run(rows: list[dict]) -> dict:
+    """Per-setting medians over rounds (numbers), the first round's values otherwise."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in rows)
+    return out
 
 
 if __name__ == "__main__":

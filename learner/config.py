@@ -67,8 +67,9 @@ class PipelineConfig:
     mode: str = "async"             # "async": rollouts overlap training; "sync": alternate
     steps: int = 100                # optimizer steps of the whole run (a resumed run counts on)
     groups_per_step: int = 4        # task groups in one training batch
-    max_staleness: int = 2          # samples older than newest version - this are dropped
-    queue_groups: int = 0           # finished groups waiting for the trainer (0 = groups_per_step)
+    max_staleness: int = 2          # samples older than newest version - this are dropped; a
+                                    # group starts only while fewer than groups_per_step *
+                                    # (max_staleness + 1) are queued or running
     torch_threads: int = 0          # torch intra-op threads for the process (0 = leave as is)
     seed: int = 0                   # task order and sampling seeds
 

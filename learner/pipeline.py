@@ -7,9 +7,10 @@ by default (no GIL shared with the trainer: generation and training really overl
 or threads. The trainer puts each new version on a `WeightBoard` in shared memory; workers
 copy it in between model calls (`EnginePolicy.swap_state`), so every sample, hence every
 token, carries the version that generated it. Samples more than `max_staleness` versions
-behind the trainer are dropped; the queues between workers and trainer are bounded so workers
-cannot run far ahead. Synchronous: generate a batch with the current version, train on it,
-repeat (for comparison).
+behind the trainer are dropped, and workers start a group only while fewer than
+groups_per_step * (max_staleness + 1) are waiting or running, so they never run further
+ahead than the bound allows. Synchronous: generate a batch with the current version, train
+on it, repeat (for comparison).
 
 Task families: "sim" (`learner.tasks` + `learner.rollout`) and "toy" (one model call, reward =
 share of even token ids in the completion: trivially learnable, for tests and benchmarks).
@@ -211,6 +212,7 @@ class Pipeline:
         self.cursor = cursor                     # index of the next task (saved in checkpoints)
         self.board = WeightBoard(trainer.version, trainer.published)
         self.stats = Stats()
+        self._credits = threading.Semaphore(0)   # groups that may start (set per async run)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -302,7 +304,8 @@ class Pipeline:
 
     def _run_async(self, target: int, deadline: float | None, on_step) -> None:
         p = self.config.pipeline
-        q: queue.Queue[Group] = queue.Queue(maxsize=p.queue_groups or p.groups_per_step)
+        q: queue.Queue[Group] = queue.Queue()    # bounded by the credits
+        self._credits = threading.Semaphore(p.groups_per_step * (p.max_staleness + 1))
         if self.config.rollout.processes:
             finish = self._start_processes(q)
         else:
@@ -316,6 +319,7 @@ class Pipeline:
                         raise RuntimeError("a rollout worker failed") from self._error
                     try:
                         groups.append(q.get(timeout=0.1))
+                        self._credits.release()
                     except queue.Empty:
                         if deadline is not None and time.perf_counter() >= deadline:
                             return
@@ -325,6 +329,15 @@ class Pipeline:
         finally:
             self._stop.set()
             finish()
+
+    def _credit(self) -> bool:
+        """Wait until another group may start (False when asked to stop first). A group
+        started while A groups are ahead of it is trained about A / groups_per_step versions
+        later, so A < groups_per_step * (max_staleness + 1) keeps it fresh enough."""
+        while not self._stop.is_set():
+            if self._credits.acquire(timeout=0.1):
+                return True
+        return False
 
     def _put(self, q: Any, item: Any, stop: Any = None) -> bool:
         """Put into a bounded queue unless asked to stop first."""
@@ -352,7 +365,7 @@ class Pipeline:
 
     def _worker(self, policy: Any, q: queue.Queue) -> None:
         try:
-            while not self._stop.is_set():
+            while self._credit():
                 self._put(q, self._group(policy))
         except BaseException as exc:             # surfaced by the trainer loop
             self._error = exc
@@ -389,7 +402,7 @@ class Pipeline:
         return finish
 
     def _feed(self, tasks_q: Any) -> None:
-        while not self._stop.is_set():
+        while self._credit():
             self._put(tasks_q, self._next_index())
 
     def _collect(self, out_q: Any, q: queue.Queue, procs: list) -> None:

@@ -160,3 +160,15 @@ def test_reward_rises_on_a_trivially_learnable_family(tmp_path):
     assert rows[0]["updated"] and rows[-1]["version"] > rows[0]["version"]
     changed = sum(not torch.equal(v, before[k]) for k, v in pipe.trainer.model.state_dict().items())
     assert changed > len(before) // 2
+
+
+def test_optional_kl_penalty_keeps_a_frozen_reference(ckpt, tmp_path):
+    config = TrainerConfig(optim=OptimConfig(lr=1e-2))
+    config.loss.kl_coef = 0.1
+    t = Trainer(load_model(ckpt, dtype=torch.float32), tmp_path, config)
+    t.publish()
+    samples = rollouts(ckpt, n=2)
+    first, second = t.step(samples), t.step(samples)
+    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-9)    # model == reference at step 1
+    assert second["ref_kl"] > 0
+    assert all(not p.requires_grad for p in t.ref.parameters())
