@@ -319,11 +319,12 @@ class Pipeline:
                         raise RuntimeError("a rollout worker failed") from self._error
                     try:
                         groups.append(q.get(timeout=0.1))
-                        self._credits.release()
                     except queue.Empty:
                         if deadline is not None and time.perf_counter() >= deadline:
                             return
                 row = self._train(groups, time.perf_counter() - t0)
+                for _ in groups:                 # their version is out: more may start
+                    self._credits.release()
                 if on_step:
                     on_step(row)
         finally:
@@ -331,9 +332,10 @@ class Pipeline:
             finish()
 
     def _credit(self) -> bool:
-        """Wait until another group may start (False when asked to stop first). A group
-        started while A groups are ahead of it is trained about A / groups_per_step versions
-        later, so A < groups_per_step * (max_staleness + 1) keeps it fresh enough."""
+        """Wait until another group may start (False when asked to stop first). Credits come
+        back when a step that used the group is published, so a group starts with at most
+        groups_per_step * (max_staleness + 1) - 1 others ahead of it, queued, running or in
+        the step being trained: it is trained at most max_staleness versions later."""
         while not self._stop.is_set():
             if self._credits.acquire(timeout=0.1):
                 return True

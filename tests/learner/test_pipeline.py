@@ -32,10 +32,12 @@ def ckpt(tmp_path_factory):
     return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-def config(ckpt, mode: str, steps: int = 3, processes: bool = False, **pipe) -> RunConfig:
+def config(ckpt, mode: str, steps: int = 3, processes: bool = False, workers: int = 1,
+           **pipe) -> RunConfig:
     return RunConfig(model=str(ckpt), tasks="toy",
                      trainer=TrainerConfig(optim=OptimConfig(lr=1e-2)),
-                     rollout=RolloutConfig(group_size=4, max_new_tokens=6, processes=processes),
+                     rollout=RolloutConfig(group_size=4, max_new_tokens=6, processes=processes,
+                                           workers=workers),
                      pipeline=PipelineConfig(mode=mode, steps=steps, groups_per_step=2, **pipe))
 
 
@@ -62,9 +64,12 @@ def test_sync_mode_trains_only_on_policy(ckpt, tmp_path):
     assert versions.latest().version == 4 == pipe.trainer.version
 
 
-@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
-def test_async_mode_tags_every_sample_with_a_published_version(ckpt, tmp_path, processes):
-    pipe, store, versions = build(ckpt, tmp_path, "async", steps=4, processes=processes)
+@pytest.mark.parametrize("processes,workers", [(False, 1), (False, 2), (True, 1)],
+                         ids=["thread", "2-threads", "process"])
+def test_async_mode_tags_every_sample_with_a_published_version(ckpt, tmp_path, processes,
+                                                               workers):
+    pipe, store, versions = build(ckpt, tmp_path, "async", steps=4, processes=processes,
+                                  workers=workers)
     rows = []
     stats = pipe.run(on_step=rows.append)
     assert pipe.trainer.step_count == 4 and stats.episodes_trained == 4 * 2 * 4
