@@ -335,7 +335,9 @@ class Pipeline:
         """Wait until another group may start (False when asked to stop first). Credits come
         back when a step that used the group is published, so a group starts with at most
         groups_per_step * (max_staleness + 1) - 1 others ahead of it, queued, running or in
-        the step being trained: it is trained at most max_staleness versions later."""
+        the step being trained: it is trained at most max_staleness versions later. (With
+        several workers a slow group can be overtaken; the trainer's filter drops what is
+        then too old.)"""
         while not self._stop.is_set():
             if self._credits.acquire(timeout=0.1):
                 return True
