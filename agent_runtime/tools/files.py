@@ -30,14 +30,19 @@ def _notify_changed(ctx: ToolContext, path: Path) -> None:
     notify_changed(ctx.workspace, path)
 
 
-def _read_text(path: Path, shown: str, tool: str) -> str:
+def _regular_file(path: Path, shown: str, tool: str) -> int:
+    """The size of `path`, or a ToolError saying why it is not a file a tool can open."""
     if not path.exists():
-        raise ToolError(f"{tool}: `{shown}` does not exist")
+        raise ToolError(f"{tool}: `{shown}` does not exist; list_files shows what is there")
     if path.is_dir():
         raise ToolError(f"{tool}: `{shown}` is a directory; use list_files to see its contents")
     if not path.is_file():
-        raise ToolError(f"{tool}: `{shown}` is not a regular file")
-    size = path.stat().st_size
+        raise ToolError(f"{tool}: `{shown}` is not a regular file (a pipe or device)")
+    return path.stat().st_size
+
+
+def _read_text(path: Path, shown: str, tool: str) -> str:
+    size = _regular_file(path, shown, tool)
     if size > MAX_EDIT_BYTES:
         raise ToolError(f"{tool}: `{shown}` is too large to edit ({size:,} bytes)")
     data = path.read_bytes()
@@ -74,13 +79,7 @@ class ReadFile:
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
         path = paths.resolve(ctx.workspace, args["path"], tool=self.name)
         shown = paths.display(ctx.workspace, path)
-        if not path.exists():
-            raise ToolError(f"read_file: `{shown}` does not exist; list_files shows what is there")
-        if path.is_dir():
-            raise ToolError(f"read_file: `{shown}` is a directory; use list_files to see its contents")
-        if not path.is_file():
-            raise ToolError(f"read_file: `{shown}` is not a regular file (a pipe or device)")
-        size = path.stat().st_size
+        size = _regular_file(path, shown, self.name)
         if paths.is_binary(paths.sniff(path)):
             return ToolResult(f"[`{shown}` is a binary file ({size:,} bytes); not shown]",
                               {"path": shown, "binary": True, "size": size})
