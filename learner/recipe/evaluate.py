@@ -3,8 +3,8 @@
 `learner.eval.evaluate` runs episodes on threads that share one policy, which serializes the
 model calls. Here each process loads its own copy of the checkpoint (on the GPU when there is
 one) and runs its share of the tasks with `learner.rollout.run_episode`, so a 16-core GPU
-machine evaluates 200 tasks in a couple of minutes. Greedy decoding; one episode per task.
-Processes are spawned (CUDA cannot fork), so a script calling `evaluate_model` with more than
+machine evaluates 200 tasks in a couple of minutes. Greedy decoding; one episode per task;
+every model evaluated with the same `EvalConfig` sees the same tasks. Processes are spawned (CUDA cannot fork), so a script calling `evaluate_model` with more than
 one process needs the `if __name__ == "__main__":` guard.
 
 It does not format reports for people (`learner.eval` does) and it does not train.
@@ -26,11 +26,23 @@ class EvalConfig:
     split: str = "heldout"          # "heldout" or "train"
     seed: int = 0                   # generate(split, n, seed)
     max_steps: int = 20             # model calls per episode
+    max_new_tokens: int = 512       # tokens per model call
     processes: int = 0              # episode processes, each loads the model (0: cores - 2)
     device: str = "auto"            # "auto": cuda when available, else cpu
     threads: int = 1                # torch threads per process on CPU
     max_seconds: float = 0.0        # a process starts no episode after this (0 = no limit);
                                     # tasks not run are left out of n
+    families: list[str] | None = None  # only these task families (None: all, in turn)
+    folder: str = ""                # a task folder, or a folder of them, instead of generated
+                                    # tasks (its first n)
+    sandbox: str | None = None      # "auto", "off", "require" (None: $APPRENTICE_SANDBOX, else auto)
+
+
+def eval_tasks(config: EvalConfig) -> list:
+    """The tasks `config` evaluates on, in order (the same in every process)."""
+    from learner.eval import resolve_tasks
+    return resolve_tasks(config.folder or f"sim-{config.split}", config.n, seed=config.seed,
+                         families=config.families)
 
 
 def _shard(args: tuple) -> list[dict]:
@@ -41,15 +53,14 @@ def _shard(args: tuple) -> list[dict]:
 
     from agent_runtime.engine_policy import EnginePolicy
     from agent_runtime.store import SessionStore
-    from learner import tasks as sim
     from learner.recipe.pretrain import pick_device
     from learner.rollout import run_episode
 
     torch.set_num_threads(config.threads)
     device = pick_device(config.device)
     policy = EnginePolicy.load(str(model_dir), device=device, temperature=0.0,
-                               max_new_tokens=512)
-    tasks = sim.generate(config.split, config.n, seed=config.seed)
+                               max_new_tokens=config.max_new_tokens)
+    tasks = eval_tasks(config)
     deadline = time.monotonic() + config.max_seconds if config.max_seconds else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="apprentice-eval-") as home:
@@ -59,20 +70,25 @@ def _shard(args: tuple) -> list[dict]:
                 break
             task = tasks[i]
             try:
-                ep = run_episode(policy, task, store, max_steps=config.max_steps)
-                rows.append({"task": task.id, "family": task.family, "passed": ep.passed,
-                             "steps": ep.steps, "tokens": ep.tokens, "status": ep.status})
+                ep = run_episode(policy, task, store, max_steps=config.max_steps,
+                                 sandbox=config.sandbox)
+                rows.append({"task": task.id, "family": task.family, "passed": ep.reward > 0,
+                             "cheated": ep.cheated, "steps": ep.steps, "tokens": ep.tokens,
+                             "status": ep.status})
             except Exception as exc:           # count it as failed, keep evaluating
                 rows.append({"task": task.id, "family": task.family, "passed": False,
-                             "steps": 0, "tokens": 0, "status": f"error: {exc}"})
+                             "cheated": False, "steps": 0, "tokens": 0,
+                             "status": f"error: {exc}"})
         store.close()
     return rows
 
 
 def evaluate_model(model_dir: Path, config: EvalConfig) -> dict:
-    """pass@1, per-family pass rates and means over `config.n` simulated tasks."""
-    k = max(1, min(config.processes or (os.cpu_count() or 2) - 2, config.n, 14))
-    chunks = [(str(model_dir), list(range(i, config.n, k)), config) for i in range(k)]
+    """pass@1, per-family pass rates and means over the tasks of `config` (`eval_tasks`).
+    An episode passes when its reward is positive: passing tests reached by cheating do not."""
+    total = len(eval_tasks(config))
+    k = max(1, min(config.processes or (os.cpu_count() or 2) - 2, total, 14))
+    chunks = [(str(model_dir), list(range(i, total, k)), config) for i in range(k)]
     if k == 1:
         parts = [_shard(chunks[0])]
     else:
@@ -85,7 +101,9 @@ def evaluate_model(model_dir: Path, config: EvalConfig) -> dict:
         families[r["family"]][0] += r["passed"]
         families[r["family"]][1] += 1
     n = len(rows) or 1
-    return {"n": len(rows), "split": config.split, "pass_at_1": sum(r["passed"] for r in rows) / n,
+    return {"n": len(rows), "split": config.split, "tasks": config.folder or f"sim-{config.split}",
+            "pass_at_1": sum(r["passed"] for r in rows) / n,
+            "cheated": sum(r["cheated"] for r in rows),
             "mean_steps": sum(r["steps"] for r in rows) / n,
             "mean_tokens": sum(r["tokens"] for r in rows) / n,
             "by_family": {f: {"passed": a, "n": b} for f, (a, b) in sorted(families.items())},
