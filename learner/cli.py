@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from agent_runtime.hooks import hookimpl
+
+if TYPE_CHECKING:
+    from learner.recipe.evaluate import EvalConfig
 
 
 @hookimpl
@@ -90,23 +94,58 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
 @click.option("--policy", "policy_spec", metavar="SPEC",
               help="Overrides --model: 'oracle' (the scripted solver of simulated tasks) or a "
                    "policy spec such as 'replay:FILE'.")
+@click.option("--compare", metavar="A,B", help="Instead of --model: evaluate these models on the "
+              "same tasks (greedy, one episode each) and print pass@1 side by side. Each is "
+              "'default', a recipe stage (pretrain, sft, grpo: RECIPE/STAGE/model) or a "
+              "checkpoint directory.")
+@click.option("--recipe", "recipe_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Recipe folder the stage names of --compare refer to (default: "
+                   "$APPRENTICE_HOME/recipes/default, where `learn recipe default` writes).")
+@click.option("--processes", type=click.IntRange(1), default=None,
+              help="With --compare: episode processes, each with its own model copy "
+                   "(default: cores - 2, at least 1).")
 @click.option("--max-steps", type=click.IntRange(1), default=20, show_default=True,
               help="Model calls allowed per task.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=512, show_default=True,
+              help="Tokens per model call (512 is what the recipe's eval stage uses).")
 @click.option("-j", "--concurrency", type=click.IntRange(1), default=None,
-              help="Tasks run at once (default: 4 for the oracle, 1 for a model).")
+              help="Tasks run at once (default: 4 for the oracle, 1 for a model; "
+                   "--compare uses --processes).")
 @click.option("--sandbox", type=click.Choice(["auto", "off", "require"]), default=None,
               help="Run commands in bubblewrap (default: $APPRENTICE_SANDBOX, else auto).")
 @click.option("-v", "--verbose", is_flag=True, help="One line per task before the summary.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the numbers and per-task results as JSON instead.")
 def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None, model: str,
-                 policy_spec: str | None, max_steps: int, concurrency: int | None,
-                 sandbox: str | None, verbose: bool) -> None:
-    """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task."""
+                 policy_spec: str | None, compare: str | None, recipe_dir: Path | None,
+                 processes: int | None, max_steps: int, max_new_tokens: int,
+                 concurrency: int | None, sandbox: str | None, verbose: bool,
+                 as_json: bool) -> None:
+    """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task; or several
+    side by side (--compare sft,default)."""
+    import json
+
     from agent_runtime.store import SessionStore
-    from learner.eval import evaluate, format_report, policy_factory, resolve_tasks
-    spec = policy_spec or model
+    from learner.eval import SIM_SETS, evaluate, format_report, policy_factory, resolve_tasks
     try:
         task_list = resolve_tasks(tasks_spec, n, seed, _families(families))
-        factory = policy_factory(spec)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc))
+    if compare is not None:
+        if policy_spec or model != "default":
+            raise click.BadParameter("it names the models itself; leave out --model and "
+                                     "--policy", param_hint="--compare")
+        from learner.recipe.evaluate import EvalConfig        # imports torch
+        config = EvalConfig(n=len(task_list), split=SIM_SETS.get(tasks_spec, "heldout"),
+                            folder="" if tasks_spec in SIM_SETS else tasks_spec, seed=seed,
+                            families=_families(families), max_steps=max_steps,
+                            max_new_tokens=max_new_tokens, processes=processes or 0,
+                            sandbox=sandbox)
+        _compare(compare, recipe_dir, config, verbose, as_json)
+        return
+    spec = policy_spec or model
+    try:
+        factory = policy_factory(spec, max_new_tokens)
     except ValueError as exc:
         raise click.BadParameter(str(exc))
     if spec == "oracle" and any(t.solution is None for t in task_list):
@@ -115,7 +154,36 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
     with SessionStore() as store:
         report = evaluate(task_list, factory, store, max_steps=max_steps, sandbox=sandbox,
                           concurrency=concurrency or (4 if spec == "oracle" else 1))
-    click.echo(format_report(report, verbose=verbose))
+    click.echo(json.dumps(report.to_dict(), indent=1) if as_json
+               else format_report(report, verbose=verbose))
+
+
+def _compare(specs: str, recipe_dir: Path | None, config: EvalConfig, verbose: bool,
+             as_json: bool) -> None:
+    """`eval --compare`: every model on the same tasks (`config`) through `evaluate_model`."""
+    import json
+
+    from agent_runtime.store import default_home
+    from learner.eval import format_comparison, resolve_model
+    from learner.recipe.evaluate import evaluate_model
+    names = _families(specs) or []
+    if len(names) < 2 or len(set(names)) < len(names):
+        raise click.BadParameter(f"name two or more different models, e.g. sft,default (got "
+                                 f"{specs!r})", param_hint="--compare")
+    recipe_dir = recipe_dir or Path(default_home()) / "recipes" / "default"
+    try:
+        models = {name: resolve_model(name, recipe_dir) for name in names}
+    except FileNotFoundError as exc:
+        raise click.BadParameter(str(exc), param_hint="--compare")
+    results = {}
+    for name, path in models.items():
+        click.echo(f"evaluating {name} ({path}) on {config.n} tasks ...", err=True)
+        results[name] = evaluate_model(path, config)
+    if as_json:
+        click.echo(json.dumps({"seed": config.seed, "models": {
+            name: {"path": str(models[name]), **r} for name, r in results.items()}}, indent=1))
+    else:
+        click.echo(format_comparison(results, verbose=verbose))
 
 
 # --- learn grpo / learn report ----------------------------------------------------------------
@@ -249,6 +317,7 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
            eval_n: int | None, processes: int | None, max_minutes: float | None) -> None:
     """Make a default policy from scratch: tokenizer, pre-training, SFT, GRPO, eval."""
     from agent_runtime.store import default_home
+    from learner.eval import format_comparison
     from learner.recipe import RECIPES, STAGES, run_recipe
     config = RECIPES[name]()
     chosen = tuple(_families(stages) or STAGES)
@@ -265,9 +334,8 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
         config.grpo.max_seconds = 60 * max_minutes
     out_dir = out_dir or Path(default_home()) / "recipes" / name
     results = run_recipe(out_dir, config, chosen, log=click.echo)
-    ev = results.get("eval") or {}
+    ev = {m: r for m, r in (results.get("eval") or {}).items()
+          if isinstance(r, dict) and "pass_at_1" in r}
     if ev:
-        click.echo("held-out pass@1: " + "  ".join(
-            f"{m}: {100 * r['pass_at_1']:.1f}% ({r['n']})" for m, r in ev.items()
-            if isinstance(r, dict) and "pass_at_1" in r))
+        click.echo(format_comparison(ev))
     click.echo(f"recipe folder: {out_dir}")

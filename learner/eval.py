@@ -5,11 +5,15 @@ A task set is simulated (`sim-heldout`, `sim-train`: `n` generated instances) or
 (`learner.rollout`), recorded in the store like any session. `--policy oracle` runs the
 scripted solver (generated tasks only), which should score 100 %. This module formats the
 report; `apprentice eval` is a thin command over `evaluate` and `format_report`.
+
+`apprentice eval --compare sft,default` evaluates several checkpoints on the same tasks with
+`learner.recipe.evaluate.evaluate_model` (episodes over processes); this module names the
+models (`resolve_model`) and prints their pass@1 side by side (`format_comparison`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +21,7 @@ from learner.rollout import Episode, run_episodes
 from learner.tasks import TaskInstance, generate, load_tasks
 
 SIM_SETS = {"sim-heldout": "heldout", "sim-train": "train"}
+MODEL_STAGES = ("pretrain", "sft", "grpo")       # recipe stages that write `<stage>/model`
 
 
 @dataclass
@@ -55,6 +60,14 @@ class EvalReport:
             out[e.family] = (k + (e.reward > 0), n + 1)
         return dict(sorted(out.items()))
 
+    def to_dict(self) -> dict:
+        """The numbers and every episode, for `--json`."""
+        return {"n": self.n, "solved": self.solved, "pass_at_1": self.pass_at_1,
+                "mean_steps": self.mean_steps, "mean_tokens": self.mean_tokens,
+                "cheated": self.cheated,
+                "by_family": {f: {"passed": k, "n": n} for f, (k, n) in self.by_family().items()},
+                "episodes": [asdict(e) for e in self.episodes]}
+
 
 def resolve_tasks(spec: str, n: int | None = None, seed: int = 0,
                   families: list[str] | None = None) -> list[TaskInstance]:
@@ -70,16 +83,17 @@ def resolve_tasks(spec: str, n: int | None = None, seed: int = 0,
     return tasks if n is None else tasks[:n]
 
 
-def policy_factory(spec: str) -> Callable[[TaskInstance], Any]:
+def policy_factory(spec: str, max_new_tokens: int = 512) -> Callable[[TaskInstance], Any]:
     """What makes each episode's policy: `oracle` (one per task), `replay:FILE` (a fresh
-    replay per task), anything else a model loaded once and shared."""
+    replay per task), anything else a model loaded once and shared (greedy, at most
+    `max_new_tokens` per call, as `learner.recipe.evaluate` runs it)."""
     if spec == "oracle":
         from learner.tasks.oracle import OraclePolicy
         return OraclePolicy
     from agent_runtime.policy import load_policy
     if spec.startswith("replay:"):
         return lambda task: load_policy(spec)
-    policy = load_policy(spec)
+    policy = load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens)
     return lambda task: policy
 
 
@@ -106,3 +120,66 @@ def format_report(report: EvalReport, verbose: bool = False) -> str:
     if report.cheated:
         summary += f"  cheated {report.cheated}"
     return "\n".join(lines + [summary])
+
+
+# -- several models on the same tasks ---------------------------------------------------------
+
+def resolve_model(spec: str, recipe_dir: Path) -> Path:
+    """A checkpoint directory from `default` (the shipped model), a recipe stage name
+    (`recipe_dir/<stage>/model`) or a checkpoint path. Raises FileNotFoundError saying what
+    was tried."""
+    from agent_runtime.policy import resolve_model_path
+    if spec == "default":
+        try:
+            return resolve_model_path("default")
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"'default': {str(exc).split('. ')[0]}; set $APPRENTICE_DEFAULT_MODEL, or name "
+                f"a recipe stage ({', '.join(MODEL_STAGES)}) or a checkpoint directory") from None
+    tried = [recipe_dir / spec / "model"] if spec in MODEL_STAGES else []
+    tried.append(Path(spec).expanduser())
+    for path in tried:
+        if (path / "config.json").is_file():
+            return path
+    raise FileNotFoundError(
+        f"{spec!r} is not a model: tried {' and '.join(str(p) for p in tried)} (no config.json); "
+        f"name 'default', a recipe stage ({', '.join(MODEL_STAGES)}, under --recipe "
+        f"{recipe_dir}) or a checkpoint directory")
+
+
+def _cell(passed: int, n: int) -> str:
+    return f"{100 * passed / n:.1f}% ({passed}/{n})" if n else "-"
+
+
+def _task_marks(results: dict[str, dict]) -> list[list[str]]:
+    """One row per task: its id, then PASS / FAIL / CHEAT (or - if not run) per model."""
+    marks: dict[str, list[str]] = {}
+    for i, r in enumerate(results.values()):
+        for e in r["episodes"]:
+            mark = "PASS" if e["passed"] else ("CHEAT" if e.get("cheated") else "FAIL")
+            marks.setdefault(e["task"], ["-"] * len(results))[i] = mark
+    return [[task, *marks[task]] for task in sorted(marks)]
+
+
+def format_comparison(results: dict[str, dict], verbose: bool = False) -> str:
+    """pass@1 of each model (`evaluate_model` results, by name) per family and overall, one
+    column per model, then each later model's difference to the first in points. `verbose`
+    puts one row per task above the table."""
+    names = list(results)
+    families = sorted({f for r in results.values() for f in r["by_family"]})
+    rows = [[f] + [_cell(**results[m]["by_family"].get(f, {"passed": 0, "n": 0}))
+                   for m in names] for f in families]
+    rows.append(["overall"] + [_cell(sum(e["passed"] for e in results[m]["episodes"]),
+                                     results[m]["n"]) for m in names])
+    if any(r.get("cheated") for r in results.values()):
+        rows.append(["cheated"] + [str(results[m].get("cheated", 0)) for m in names])
+    if verbose:
+        rows = _task_marks(results) + [[""] * (len(names) + 1)] + rows
+    rows.insert(0, ["pass@1"] + names)
+    width = [max(len(c) for c in col) for col in zip(*rows)]
+    lines = ["  ".join([row[0].ljust(width[0])] + [c.rjust(w) for c, w in zip(row[1:], width[1:])])
+             .rstrip() for row in rows]
+    base = results[names[0]]["pass_at_1"]
+    lines += [f"{m} − {names[0]}: {100 * (results[m]['pass_at_1'] - base):+.1f} points"
+              for m in names[1:]]
+    return "\n".join(lines)

@@ -112,3 +112,12 @@ def test_resolve_tasks_draws_simulated_sets_and_limits_folders(tmp_path):
     assert len(resolve_tasks("sim-heldout")) == 50
     invoke("learn", "tasks", "export", tmp_path, "-n", 4)
     assert len(resolve_tasks(str(tmp_path), 2)) == 2
+
+
+def test_json_output_has_the_numbers_and_every_episode(home):
+    out = CliRunner().invoke(main, ["eval", "-n", "2", "--policy", "oracle", "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["n"] == len(data["episodes"]) == 2
+    assert data["solved"] == sum(e["reward"] > 0 for e in data["episodes"]) == 2
+    assert sum(f["n"] for f in data["by_family"].values()) == 2
