@@ -37,7 +37,9 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values for every layer; all rows share one write position."""
+    """Preallocated keys/values for every layer; all rows share one write position. `dtype` is
+    the cache's own (see `attention_dtype`): keys and values are rounded to the model's dtype
+    first, so a wider cache holds exactly the model's values."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
@@ -45,7 +47,7 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # key padding
-        self.max_len = max_len
+        self.max_len, self.dtype = max_len, dtype
         self.pos = 0                          # columns filled so far
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +72,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
             and x.numel() >= UPCAST_ROWS * x.shape[-1]:
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     return F.linear(x, w, b)
+
+
+def attention_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype attention runs in (and the KV cache is kept in): the model's, except fp32 for
+    half-precision models on CPUs that upcast matmuls (`UPCAST_CPU`), where the CPU attention
+    kernels run several times slower in bf16 than in fp32."""
+    if UPCAST_CPU and dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu":
+        return torch.float32
+    return dtype
 
 
 class Linear(nn.Linear):
@@ -110,17 +121,19 @@ class Attention(nn.Module):
         k = k.view(B, T, a.num_kv_heads, a.head_dim)
         if a.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)                      # [B, h, T, D]
         v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        qk = torch.cat((q, k), dim=2).transpose(1, 2)                    # [B, h + kv, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                    # [B, 1, T, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qk = qk * cos + rotate_half(qk) * sin                            # one RoPE for q and k
+        q, k = qk.split((a.num_heads, a.num_kv_heads), dim=1)
+        dtype = cache.dtype if cache is not None else attention_dtype(x.dtype, x.device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                              scale=a.scale,
                                              enable_gqa=a.num_heads != a.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
 
 
 class MLP(nn.Module):
@@ -151,8 +164,8 @@ class Experts(nn.Module):
         N, k = idx.shape                                                 # x [N, H]
         if N == 1:                                                       # decode: k small matmuls
             out = None
-            for j, e in enumerate(idx[0].tolist()):
-                y = self._one(x, e) * w[:, j:j + 1]
+            for e, we in zip(idx[0].tolist(), w[0].tolist()):
+                y = self._one(x, e) * we
                 out = y if out is None else out + y
             return out
         flat = idx.reshape(-1)                                           # [N*k]
@@ -256,7 +269,8 @@ class MoEModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(self.args, batch, max_len, self.dtype, self.embed_tokens.weight.device)
+        device = self.embed_tokens.weight.device
+        return KVCache(self.args, batch, max_len, attention_dtype(self.dtype, device), device)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] for these positions, from a table built once per dtype/device."""
