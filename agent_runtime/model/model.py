@@ -31,9 +31,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, computed in fp32 and rounded to x's dtype (HF's order)."""
+    xf = x.float()
+    return (xf * xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(x.dtype)
 
 
 class KVCache:
@@ -110,6 +114,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """x [B, T, H]; cos, sin [B, 1, T, D]."""
         a = self.a
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [B, T, heads*D]
@@ -117,13 +122,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if a.clip_qkv is not None:
             q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-        q = q.view(B, T, a.num_heads, a.head_dim)
-        k = k.view(B, T, a.num_kv_heads, a.head_dim)
-        if a.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        qk = torch.cat((q.view(B, T, a.num_heads, a.head_dim),
+                        k.view(B, T, a.num_kv_heads, a.head_dim)), dim=2)  # [B, T, h + kv, D]
+        if a.qk_norm == "head":                # per-head norms of q and k in one pass
+            w = torch.cat((self.q_norm.weight.expand(a.num_heads, -1),
+                           self.k_norm.weight.expand(a.num_kv_heads, -1)))
+            qk = w * rms_normalize(qk, a.rms_eps)
         v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        qk = torch.cat((q, k), dim=2).transpose(1, 2)                    # [B, h + kv, T, D]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                    # [B, 1, T, D]
+        qk = qk.transpose(1, 2)                                          # [B, h + kv, T, D]
         qk = qk * cos + rotate_half(qk) * sin                            # one RoPE for q and k
         q, k = qk.split((a.num_heads, a.num_kv_heads), dim=1)
         dtype = cache.dtype if cache is not None else attention_dtype(x.dtype, x.device)
@@ -314,7 +320,7 @@ class MoEModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if a.embedding_multiplier != 1.0:
             x = x * a.embedding_multiplier
-        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = (t.unsqueeze(1) for t in self._rope(positions, x.dtype))   # [B, 1, T, D]
         all_routes = []
         j = 0
         for block in self.layers:
