@@ -1,12 +1,14 @@
 """Lossless weight deltas between two state dicts: the one codec the learner and runtimes share.
 
 A delta lists, per changed tensor, the changed positions and the values there: the new words
-themselves or their XOR with the base words, whichever compresses smaller. Both are exact bit
-operations, never arithmetic differences, so nothing can drift, and the base hash check means
-a delta only ever applies to the one state it was made from. Tensors are cut into blocks of
-`BLOCK_BYTES`; each changed block becomes one section, encoded as the smallest of: sparse
-positions (gap-coded), a bitmap of positions, or (once half the block changed) a dense XOR;
-all byte-planed and zstd-compressed. Any dtype of 1, 2, 4 or 8 bytes works (bf16 first).
+themselves, their XOR with the base words, or the step between the two words (new - old
+modulo 2**bits, zigzagged: an optimizer step of one unit in the last place either way becomes
+1 or 2), whichever compresses smaller. All are exact integer operations on the raw words, never
+float arithmetic, so nothing can drift, and the base hash check means a delta only ever applies
+to the one state it was made from. Tensors are cut into blocks of `BLOCK_BYTES`; each changed
+block becomes one section, encoded as the smallest of: sparse positions (gap-coded), a bitmap
+of positions, or (once half the block changed) a dense XOR or dense step; all byte-planed and
+zstd-compressed. Any dtype of 1, 2, 4 or 8 bytes works (bf16 first).
 
 Identity: `state_sha256` is a sha256 over the sorted tensor names, dtypes, shapes and the
 raw bytes, hashed as a two-level tree (sha256 of each block, sha256 of the block digests per
@@ -41,6 +43,7 @@ import torch
 import zstandard
 
 MAGIC = b"APDELTA1"
+FORMAT = 2                                # 2 added the "diff" value coding; 1 is still read
 BLOCK_BYTES = 1 << 24                     # hash/section granularity; part of the identity
 ZSTD_LEVEL = 1                            # fastest, and smallest on these streams
 _DENSE_FROM = 2                           # try dense XOR once >= 1/2 of a block changed
@@ -105,8 +108,11 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _parallel(fn: Callable, items: list, sizes: Iterable[int]) -> list:
-    """`[fn(x) for x in items]`, in order, on the pool; small items batched to ~one block."""
+def _parallel(fn: Callable, items: list, sizes: Iterable[int], threads: int | None = None) -> list:
+    """`[fn(x) for x in items]`, in order, on the pool; small items batched to ~one block.
+
+    `threads`: None = the shared pool (one thread per core), 1 = in this thread, n = n threads.
+    """
     groups, group, weight = [], [], 0
     for item, size in zip(items, sizes):
         group.append(item)
@@ -116,20 +122,30 @@ def _parallel(fn: Callable, items: list, sizes: Iterable[int]) -> list:
             group, weight = [], 0
     if group:
         groups.append(group)
-    if len(groups) <= 1:
+    if len(groups) <= 1 or threads == 1:
         return [fn(x) for x in items]
-    results = _pool().map(lambda g: [fn(x) for x in g], groups)
+    run = lambda g: [fn(x) for x in g]                                   # noqa: E731
+    if threads is None:
+        results = list(_pool().map(run, groups))
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="delta") as pool:
+            results = list(pool.map(run, groups))
     return [r for batch in results for r in batch]
 
 
 _LOCAL = threading.local()
 
 
-def _zc(data: bytes | np.ndarray, level: int) -> bytes:
+def _zc(data: bytes | np.ndarray, level: int, literal: bool = False) -> bytes:
+    """zstd at `level`; `literal`: long matches only (min 7 bytes, a tiny search), so that
+    near-random small symbols go to the Huffman-coded literals instead of short matches."""
     cache = _LOCAL.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
-    return cache[level].compress(data)
+    if (level, literal) not in cache:
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level, **({"min_match": 7, "search_log": 1, "hash_log": 6, "chain_log": 6}
+                      if literal else {}))
+        cache[level, literal] = zstandard.ZstdCompressor(compression_params=params)
+    return cache[level, literal].compress(data)
 
 
 def _zd(data: bytes | memoryview, size: int, what: str) -> bytes:
@@ -150,6 +166,17 @@ def _planes(words: np.ndarray) -> np.ndarray:
     return words.view(np.uint8) if size == 1 else words.view(np.uint8).reshape(-1, size).T.copy()
 
 
+def _zigzag(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """(new - old) modulo 2**bits, zigzagged (0, -1, 1, -2 ... -> 0, 1, 2, 3 ...): a weight
+    that moved a few units in the last place either way becomes a small word."""
+    d = new - old
+    return (d << 1) ^ (0 - (d >> (8 * d.dtype.itemsize - 1)))
+
+
+def _unzigzag(old: np.ndarray, z: np.ndarray) -> np.ndarray:
+    return old + ((z >> 1) ^ (0 - (z & 1)))
+
+
 def _unplanes(data: bytes, size: int) -> np.ndarray:
     raw = np.frombuffer(data, np.uint8)
     if size == 1:
@@ -159,7 +186,7 @@ def _unplanes(data: bytes, size: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- identity
 
-def tensor_digests(state: Any) -> Digests:
+def tensor_digests(state: Any, threads: int | None = None) -> Digests:
     """sha256 of every `BLOCK_BYTES` block of every tensor (a model's state_dict or a dict).
 
     Blocks are read one at a time, so tensors on an accelerator never sit whole in host memory.
@@ -173,7 +200,8 @@ def tensor_digests(state: Any) -> Digests:
         for b in range(_n_blocks(numel, size)):
             items.append((name, t, b * block, min((b + 1) * block, numel)))
             sizes.append((items[-1][3] - items[-1][2]) * size)
-    digests = _parallel(lambda it: hashlib.sha256(_words(*it[1:])).digest(), items, sizes)
+    digests = _parallel(lambda it: hashlib.sha256(_words(*it[1:])).digest(), items, sizes,
+                        threads)
     out: Digests = {name: [] for name in tensors}
     for (name, *_), d in zip(items, digests):
         out[name].append(d)
@@ -210,9 +238,12 @@ def _encode_block(old: np.ndarray, new: np.ndarray, level: int) -> dict:
     """The smallest encoding of one changed block -> section fields plus its payload."""
     changed = old != new
     idx = np.flatnonzero(changed)
-    new_values = new[idx]
+    new_values, old_values = new[idx], old[idx]
+    steps = _planes(_zigzag(old_values, new_values))
     values = min((_zc(_planes(new_values), level), "new"),
-                 (_zc(_planes(new_values ^ old[idx]), level), "xor"), key=lambda c: len(c[0]))
+                 (_zc(_planes(new_values ^ old_values), level), "xor"),
+                 (_zc(steps, level), "diff"), (_zc(steps, level, literal=True), "diff"),
+                 key=lambda c: len(c[0]))
     gaps = np.diff(idx, prepend=0).astype(np.uint32)
     candidates = [
         ("sparse", _zc(_planes(gaps), level), *values),
@@ -220,6 +251,7 @@ def _encode_block(old: np.ndarray, new: np.ndarray, level: int) -> dict:
     ]
     if idx.size * _DENSE_FROM >= old.size:
         candidates.append(("xor", b"", _zc(_planes(old ^ new), level), "xor"))
+        candidates.append(("diff", b"", _zc(_planes(_zigzag(old, new)), level), "diff"))
     kind, index, vals, coding = min(candidates, key=lambda c: len(c[1]) + len(c[2]))
     return {"kind": kind, "values": coding, "count": int(idx.size), "split": len(index),
             "data": index + vals}
@@ -227,14 +259,16 @@ def _encode_block(old: np.ndarray, new: np.ndarray, level: int) -> dict:
 
 def encode(old_state: Any, new_state: Any, *, from_version: int | None = None,
            to_version: int | None = None, level: int = ZSTD_LEVEL,
-           old_digests: Digests | None = None, new_digests: Digests | None = None) -> bytes:
+           old_digests: Digests | None = None, new_digests: Digests | None = None,
+           threads: int | None = None) -> bytes:
     """A lossless delta turning `old_state` into `new_state` (dicts of tensors or modules).
 
     `old_digests` / `new_digests` may be cached `tensor_digests` of the two states.
+    `threads`: None = all cores, 1 = this thread only (the output is the same).
     """
     old, new = _tensors(old_state), _tensors(new_state)
-    old_d = tensor_digests(old) if old_digests is None else old_digests
-    new_d = tensor_digests(new) if new_digests is None else new_digests
+    old_d = tensor_digests(old, threads) if old_digests is None else old_digests
+    new_d = tensor_digests(new, threads) if new_digests is None else new_digests
     entries, jobs = [], []
     for name in sorted(new):
         t, o = new[name], old.get(name)
@@ -267,14 +301,14 @@ def encode(old_state: Any, new_state: Any, *, from_version: int | None = None,
 
     sizes = [(j[5] - j[4]) * j[3].element_size() for j in jobs]
     payload, offset = [], 0
-    for (entry, b, *_), sec in zip(jobs, _parallel(run, jobs, sizes)):
+    for (entry, b, *_), sec in zip(jobs, _parallel(run, jobs, sizes, threads)):
         data = sec.pop("data")
         sec.update(block=b, offset=offset, length=len(data), crc32=zlib.crc32(data))
         entry["sections"].append(sec)
         payload.append(data)
         offset += len(data)
     header = {
-        "format": 1, "from_version": from_version, "to_version": to_version,
+        "format": FORMAT, "from_version": from_version, "to_version": to_version,
         "base_sha256": state_sha256(old, old_d), "target_sha256": state_sha256(new, new_d),
         "block_bytes": BLOCK_BYTES, "payload_bytes": offset, "tensors": entries,
     }
@@ -301,7 +335,7 @@ def read_header(blob: bytes) -> dict:
         header = json.loads(zstandard.ZstdDecompressor().decompress(head))
     except (zstandard.ZstdError, ValueError) as e:
         raise DeltaError(f"delta header unreadable ({e})") from None
-    if header.get("format") != 1 or header.get("block_bytes") != BLOCK_BYTES:
+    if header.get("format") not in (1, FORMAT) or header.get("block_bytes") != BLOCK_BYTES:
         raise DeltaError(f"unsupported delta format {header.get('format')!r}")
     header["payload_offset"] = start + n + 32
     got = len(view) - header["payload_offset"]
@@ -340,10 +374,12 @@ def _decode_section(blob: memoryview, base: int, entry: dict, sec: dict,
     if zlib.crc32(data) != sec["crc32"]:
         raise DeltaError(f"{what}: section checksum mismatch (corrupted or reordered)")
     kind, count, split = sec["kind"], sec["count"], sec["split"]
-    if kind in ("raw", "xor"):
+    if kind in ("raw", "xor", "diff"):
         words = _unplanes(_zd(data, n * size, what), size)
         if kind == "xor":
             words ^= _words(old, start, stop)
+        elif kind == "diff":
+            words = _unzigzag(_words(old, start, stop), words)
         change = _Change(name, start, stop, None, words)
     elif kind in ("sparse", "bitmap"):
         if not 0 < count <= n or not 0 <= split <= len(data):
@@ -361,6 +397,10 @@ def _decode_section(blob: memoryview, base: int, entry: dict, sec: dict,
         values = _unplanes(_zd(data[split:], count * size, what), size)
         if sec["values"] == "xor":
             values ^= _words(old, start, stop)[idx]
+        elif sec["values"] == "diff":
+            values = _unzigzag(_words(old, start, stop)[idx], values)
+        elif sec["values"] != "new":
+            raise DeltaError(f"{what}: unknown value coding {sec['values']!r}")
         change = _Change(name, start, stop, idx.astype(np.int32), values)
     else:
         raise DeltaError(f"{what}: unknown section kind {kind!r}")
@@ -454,16 +494,18 @@ def _write(t: torch.Tensor, c: _Change) -> None:
         flat.index_copy_(0, idx, values)
 
 
-def prepare(state: Any, blob: bytes, *, digests: Digests | None = None) -> Patch:
+def prepare(state: Any, blob: bytes, *, digests: Digests | None = None,
+            threads: int | None = None) -> Patch:
     """Decode and fully verify `blob` against `state` without modifying anything.
 
     `digests` may be the cached block digests of `state` (as returned in `Patch.digests` by
-    the previous patch) so that only the changed blocks are hashed.
+    the previous patch) so that only the changed blocks are hashed. `threads`: None = all
+    cores, 1 = this thread only.
     """
     header = read_header(blob)
     tensors = _tensors(state)
     if digests is None or set(digests) != set(tensors):
-        digests = tensor_digests(tensors)
+        digests = tensor_digests(tensors, threads)
     base_sha = state_sha256(tensors, digests)
     if base_sha != header["base_sha256"]:
         raise DeltaError(
@@ -498,7 +540,7 @@ def prepare(state: Any, blob: bytes, *, digests: Digests | None = None) -> Patch
             raise DeltaError(f"tensor {name!r}: {n_blocks - len(seen)} blocks missing")
     view, base = memoryview(blob), header["payload_offset"]
     results = _parallel(lambda j: _decode_section(view, base, *j), jobs,
-                        [j[1]["length"] * 8 for j in jobs])
+                        [j[1]["length"] * 8 for j in jobs], threads)
     changes = []
     for (entry, sec, _), (change, digest) in zip(jobs, results):
         new_digests[entry["name"]][sec["block"]] = digest
@@ -516,16 +558,17 @@ def prepare(state: Any, blob: bytes, *, digests: Digests | None = None) -> Patch
                  new_digests, meta, changes, fresh)
 
 
-def apply(old_state: Any, blob: bytes) -> dict[str, torch.Tensor]:
+def apply(old_state: Any, blob: bytes, *, threads: int | None = None) -> dict[str, torch.Tensor]:
     """A new state dict: `old_state` + delta, fully verified; `old_state` is never modified.
 
     Unchanged tensors are shared with `old_state`, not copied.
     """
-    return prepare(old_state, blob).materialize(_tensors(old_state))
+    return prepare(old_state, blob, threads=threads).materialize(_tensors(old_state))
 
 
-def apply_(target: Any, blob: bytes, *, digests: Digests | None = None) -> Patch:
+def apply_(target: Any, blob: bytes, *, digests: Digests | None = None,
+           threads: int | None = None) -> Patch:
     """Verify `blob` completely against `target` (model or dict), then patch it in place."""
-    patch = prepare(target, blob, digests=digests)
+    patch = prepare(target, blob, digests=digests, threads=threads)
     patch.commit(target)
     return patch

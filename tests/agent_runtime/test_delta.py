@@ -33,12 +33,15 @@ def state_pairs(draw):
         old[f"layers.{i}.w"] = random_tensor(rng, shape, draw(st.sampled_from(DTYPES)))
     new = {}
     for name, t in old.items():
-        change = draw(st.sampled_from(["none", "sparse", "dense", "drop", "reshape"]))
+        change = draw(st.sampled_from(["none", "sparse", "dense", "steps", "drop", "reshape"]))
         words = t.reshape(-1).clone()
         if change == "drop":
             continue
         if change == "reshape":
             new[name] = random_tensor(rng, [t.numel() + 1], t.dtype)
+            continue
+        if change == "steps" and t.dtype != torch.bool:   # optimizer-like: a few units
+            new[name] = step_words(rng, t, draw(st.sampled_from([0.02, 0.9])))
             continue
         if change != "none" and t.numel():
             frac = 0.02 if change == "sparse" else 0.9
@@ -49,6 +52,15 @@ def state_pairs(draw):
     if draw(st.booleans()):
         new["added"] = random_tensor(rng, [7, 3], torch.float32)
     return old, new
+
+
+def step_words(rng: np.random.Generator, t: torch.Tensor, frac: float) -> torch.Tensor:
+    """`t` with a share `frac` of its raw words moved by -3..3 units (wrapping around)."""
+    words = delta._words(t).copy()
+    mask = rng.random(words.size) < frac
+    words[mask] += rng.integers(-3, 4, size=int(mask.sum())).astype(words.dtype)
+    return torch.from_numpy(words.view(np.int8 if words.itemsize == 1 else f"i{words.itemsize}")
+                            ).view(t.dtype).reshape(t.shape)
 
 
 def copy_state(state):
@@ -95,6 +107,28 @@ def small_pair(seed=0):
     new["experts.0.up"] += 1e-3
     new["norm"][3] = 2.0
     return old, new
+
+
+def test_small_steps_are_coded_as_steps_even_across_wraparound():
+    rng = np.random.default_rng(0)
+    old = {"w": random_tensor(rng, [4096], torch.bfloat16)}
+    words = delta._words(old["w"])
+    words[:4] = [0, 0xFFFF, 0x7FFF, 0x8000]         # steps below will wrap these around
+    new = {"w": step_words(rng, old["w"], 0.05)}
+    delta._words(new["w"])[:4] = [0xFFFF, 0, 0x8000, 0x7FFF]
+    blob = delta.encode(old, new)
+    (section,) = delta.read_header(blob)["tensors"][0]["sections"]
+    assert section["values"] == "diff"
+    assert_same(delta.apply(old, blob), new)
+
+
+def test_one_thread_gives_the_same_delta():
+    old, new = small_pair()
+    blob = delta.encode(old, new, threads=1)
+    assert blob == delta.encode(old, new)
+    target = copy_state(old)
+    delta.apply_(target, blob, threads=1)
+    assert_same(target, new)
 
 
 def test_header_carries_versions_and_hashes():
