@@ -6,8 +6,9 @@
 
 Both engines load the same checkpoint, get the same prompt, decode the same number of greedy
 tokens (checked identical), and are timed in the same run. Prints prefill and decode tokens/s,
-the memory-bandwidth bound (active bytes per token over measured copy bandwidth) and, last,
-the ratios ours/transformers.
+the memory-bandwidth bound of decode (active bytes per token over measured copy bandwidth), the
+matmul bound of prefill (operations per token over the measured speed of one large matmul)
+and, last, the ratios ours/transformers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from agent_runtime.model import load_model, save_model
 from agent_runtime.model.config import args_from_hf
 from agent_runtime.model.generate import SamplingParams, generate
-from agent_runtime.model.model import MoEModel
+from agent_runtime.model.model import UPCAST_CPU, MoEModel
 from agent_runtime.policy import resolve_model_path
 
 TEST_SHAPE = {  # ~0.5 B parameters: hidden 1024, 8 layers, 32 experts top-4, width 512
@@ -61,6 +62,32 @@ def copy_bandwidth(device: str) -> float:
         sync(device)
         times.append(time.perf_counter() - t)
     return 2 * x.numel() * 4 / min(times)
+
+
+def matmul_flops(device: str, dtype: torch.dtype) -> float:
+    """Floating-point operations per second of a large square matmul in the dtype the engine's
+    prefill matmuls run in (fp32 for half-precision weights on CPUs that upcast them)."""
+    if device == "cpu" and dtype != torch.float32 and UPCAST_CPU:
+        dtype = torch.float32
+    n = 1536
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / min(times[1:])
+
+
+def prefill_flops(model: MoEModel, prompt_len: int) -> float:
+    """Operations per prompt token: 2 per active weight, plus attention over half the prompt."""
+    a = model.args
+    weights = active_bytes(model) / model.embed_tokens.weight.element_size()
+    attention = 4 * a.num_layers * a.num_heads * a.head_dim * prompt_len / 2
+    return 2 * weights + attention
 
 
 def active_bytes(model: MoEModel) -> int:
@@ -135,9 +162,11 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         ours = load_model(path, dtype=dtype, device=args.device)
         bound = bw / active_bytes(ours)
+        compute = matmul_flops(args.device, ours.dtype) / prefill_flops(ours, args.prompt_len)
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
         row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
-               "ours_decode": (args.new_tokens - 1) / (full - pre), "bound": bound}
+               "ours_decode": (args.new_tokens - 1) / (full - pre), "bound": bound,
+               "compute": compute}
         del ours
         if not args.no_hf:
             import transformers
@@ -150,12 +179,15 @@ def main() -> None:
         rows.append(row)
     print(f"checkpoint: {path.name}  device: {args.device}  threads: {torch.get_num_threads()}  "
           f"prompt {args.prompt_len}  new {args.new_tokens}  copy bandwidth {bw / 1e9:.1f} GB/s")
-    print(f"{'dtype':9} {'ours prefill':>13} {'hf prefill':>11} {'ours decode':>12} {'hf decode':>10} "
-          f"{'bw bound':>9} {'same':>6}   (tokens/s)")
+    print(f"{'dtype':9} {'ours prefill':>13} {'hf prefill':>11} {'mm bound':>9} {'ours decode':>12} "
+          f"{'hf decode':>10} {'bw bound':>9} {'same':>6}   (tokens/s)")
     for r in rows:
         print(f"{r['dtype']:9} {r['ours_prefill']:13.1f} {r.get('hf_prefill', float('nan')):11.1f} "
-              f"{r['ours_decode']:12.1f} {r.get('hf_decode', float('nan')):10.1f} {r['bound']:9.1f} "
-              f"{r.get('same_tokens', '-'):>6}")
+              f"{r['compute']:9.1f} {r['ours_decode']:12.1f} {r.get('hf_decode', float('nan')):10.1f} "
+              f"{r['bound']:9.1f} {r.get('same_tokens', '-'):>6}")
+    print("mm bound: prefill tokens/s if every matmul ran at the speed of one large square matmul "
+          "(active weights x 2 + attention, over measured FLOP/s); bw bound: decode tokens/s if "
+          "reading the active weights were the only cost")
     if not args.no_hf:
         print("ratios ours/transformers: " + "  ".join(
             f"{r['dtype']}: prefill {r['ours_prefill'] / r['hf_prefill']:.2f}x "
