@@ -170,7 +170,7 @@ class Experts(nn.Module):
         N, k = idx.shape                                                 # x [N, H]
         if N == 1:                                                       # decode: k small matmuls
             out = None
-            for e, we in zip(idx[0].tolist(), w[0].tolist()):
+            for e, we in zip(idx.tolist()[0], w.tolist()[0]):
                 y = self._one(x, e) * we
                 out = y if out is None else out + y
             return out
