@@ -1,15 +1,35 @@
-"""Delta codec benchmark: compression ratio and throughput on learner-like updates.
+"""Delta codec benchmark: compression ratio and throughput on real learner updates.
 
-Synthetic mode (default): a random MoE-shaped parameter set in fp32 master weights takes real
-`torch.optim.AdamW` steps on a random loss; the bf16 states published before and after one
-step are delta-encoded. Store mode (`--store DIR`): consecutive versions of a real version
-store (what the GRPO learner publishes).
+Real mode (default): the GRPO learner (`learner.trainer.Trainer`, its defaults but the
+learning rate: AdamW, fp32 masters, grad clip 1, router replay, bf16 published versions)
+trains on groups it samples itself: each step, the newest published weights (bf16, our
+engine) sample G completions at temperature 1 for train-split task prompts
+(`learner.tasks.generate`) rendered by the chat template, recording logprobs and routes.
+Real grading would tie every group of a small or random model (every episode fails, so no
+gradient), so the reward is the learner's own toy reward: the share of even token ids in
+the completion (`learner.pipeline.toy_reward`, deterministic on the text). After `--warmup`
+steps (Adam's moments filled), the published states before and after each of the next
+`--updates` steps are delta-encoded. Masters are `settle`d by default (each fp32 master at a
+random offset within its bf16 rounding cell, as after a long run; `--start checkpoint`: on
+the bf16 grid, as in the first steps from a bf16 checkpoint, where far fewer weights move).
 
-Prints, per update: changed fraction, full size, the zstd(full) and zstd(XOR) baselines,
-encode and decode throughput (MB of full state per second), and the ratio full/delta last.
+Models (`--model`): "test", the random ~0.5 B test shape of bench/decode.py; "default", the
+shipped default model, else a random init of the recipe's default shape (vocab 8192); or a
+checkpoint directory (e.g. one the recipe trained). Random checkpoints get the byte-level
+tokenizer.
 
-    python bench/delta.py                      # ~60M parameters, lr 1e-6, 3e-6, 1e-5
-    python bench/delta.py --preset 0.5b        # ~0.47B parameters (about 12 GB of RAM)
+Synthetic mode (`--synthetic`): a random MoE-shaped parameter set takes `torch.optim.AdamW`
+steps on a random loss. Store mode (`--store DIR`): consecutive versions of a version store.
+
+Prints, per update: changed fraction, full size, the zstd(full) and zstd(XOR) baselines
+(same run, same zstd level), delta size, encode throughput (all cores), decode throughput
+(verify and patch in place, one core), and the ratio full/delta last. Throughput is MB of
+full state per second.
+
+    python bench/delta.py                                   # ~0.5 B test shape (~10 GB RAM)
+    python bench/delta.py --model default --warmup 8        # default shape: seconds a step
+    python bench/delta.py --model PATH --start checkpoint --lr 3e-6
+    python bench/delta.py --synthetic --preset 0.5b         # ~0.47B parameters (~12 GB RAM)
     python bench/delta.py --store ~/.apprentice/versions --last 5
 """
 
@@ -17,14 +37,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import zstandard
 
 from agent_runtime import delta
+from learner.config import LossConfig, OptimConfig, TrainerConfig
+from learner.grpo import Episode, Group, TrainSample, group_samples
+from learner.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @dataclass
@@ -81,6 +110,12 @@ def concat_words(state: dict) -> np.ndarray:
 
 
 def measure(label: str, old: dict, new: dict, level: int) -> dict:
+    """Ratio and throughput of one update, next to the zstd(full) and zstd(XOR) baselines.
+
+    Encode runs on all cores (the learner's side); decode is `apply_` (verify, then patch in
+    place, with the base's cached block digests: the runtime's path) on one core: codec and
+    torch both limited to one thread. The patched state is checked bit-identical to `new`.
+    """
     full = sum(t.numel() * t.element_size() for t in new.values())
     a, b = concat_words(old), concat_words(new)
     z = zstandard.ZstdCompressor(level=level, threads=-1)
@@ -90,20 +125,25 @@ def measure(label: str, old: dict, new: dict, level: int) -> dict:
     t0 = time.perf_counter()
     blob = delta.encode(old, new, level=level)
     t1 = time.perf_counter()
-    out = delta.apply(old, blob)
-    t2 = time.perf_counter()
-    assert delta.state_sha256(out) == delta.state_sha256(new), "round trip failed"
     digests = delta.tensor_digests(old)
     target = {k: v.clone() for k, v in old.items()}
-    t3 = time.perf_counter()
-    delta.apply_(target, blob, digests=digests)      # the runtime path: cached base digests
-    t4 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t2 = time.perf_counter()
+        delta.apply_(target, blob, digests=digests, threads=1)
+        t3 = time.perf_counter()
+    finally:
+        torch.set_num_threads(threads)
+    assert delta.state_sha256(target) == delta.state_sha256(new), "round trip failed"
+    assert all(torch.equal(target[k].view(-1).view(delta._TORCH_INT[v.element_size()]),
+                           v.view(-1).view(delta._TORCH_INT[v.element_size()]))
+               for k, v in new.items()), "round trip not bit-exact"
     mb = full / 1e6
     return {"update": label, "changed": f"{changed:.2%}", "full MB": f"{mb:.0f}",
             "zstd(full)": f"{full / zfull:.2f}x", "zstd(xor)": f"{full / zxor:.1f}x",
             "delta MB": f"{len(blob) / 1e6:.2f}", "encode MB/s": f"{mb / (t1 - t0):.0f}",
-            "apply MB/s": f"{mb / (t2 - t1):.0f}", "apply_ MB/s": f"{mb / (t4 - t3):.0f}",
-            "ratio": f"{full / len(blob):.1f}x"}
+            "decode MB/s per core": f"{mb / (t3 - t2):.0f}", "ratio": f"{full / len(blob):.1f}x"}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -123,25 +163,160 @@ def store_updates(root: str, last: int):
         yield f"v{v - 1}->v{v}", store.state(v - 1), store.state(v)
 
 
+# ---------------------------------------------------------------------------- real updates
+
+def checkpoint(spec: str, tmp: Path) -> tuple[Path, str]:
+    """("test" | "default" | a checkpoint dir) -> (checkpoint dir, what it is).
+
+    "test": bench/decode.py's random ~0.5 B test shape; "default": the shipped default model,
+    else a random init of the recipe's default shape (`ModelShape()`, vocab 8192). Random
+    checkpoints get the model-free byte-level tokenizer and the default chat template."""
+    from agent_runtime.model import save_model
+    from agent_runtime.model.tokenizer import byte_level_tokenizer
+    from agent_runtime.policy import resolve_model_path
+
+    if spec == "test":
+        from decode import make_checkpoint
+        path = make_checkpoint(tmp / "test-shape")
+        byte_level_tokenizer().save(path)
+        return path, "random ~0.5B test shape (bench/decode.py)"
+    if spec != "default":
+        return resolve_model_path(spec), f"the checkpoint {spec}"
+    try:
+        return resolve_model_path("default"), "the shipped default model"
+    except FileNotFoundError:
+        from learner.recipe.pretrain import ModelShape, init_model
+        tok = byte_level_tokenizer()
+        vocab = SimpleNamespace(vocab_size=8192, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id)
+        path = save_model(init_model(ModelShape(), vocab), tmp / "default-shape", "bfloat16")
+        tok.save(path)
+        return path, "random init of the default shape (ModelShape(), vocab 8192; none shipped)"
+
+
+def rollout_group(policy, prompt: str, group_size: int, new_tokens: int,
+                  loss: LossConfig) -> tuple[list[TrainSample], list[float]]:
+    """G completions of one prompt sampled by `policy` (logprobs and routes recorded), scored
+    with the learner's toy reward; the learner's group advantages -> training samples."""
+    from learner.pipeline import toy_reward
+
+    ids = policy.render([{"role": "user", "content": prompt}])
+    gens = policy.generate([ids] * group_size, new_tokens)
+    rewards = [toy_reward(g.tokens, policy.stop_token_ids) for g in gens]
+    group = Group(prompt[:40], [Episode(str(i), r) for i, r in enumerate(rewards)],
+                  [[{"prompt_ids": ids, "completion_ids": g.tokens, "logprobs": g.logprobs,
+                     "routes": g.routes.numpy() if g.routes is not None else None,
+                     "policy_version": policy.version}] for g in gens])
+    return group_samples(group, loss), rewards
+
+
+@torch.no_grad()
+def settle(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every fp32 master a random offset within its bf16 rounding cell, as after a long
+    run; the bf16 weights published from them stay bit-identical.
+
+    Masters loaded from a bf16 checkpoint sit exactly on the bf16 grid, so a weight's bf16
+    value only moves once its updates add up to half a unit in the last place: in the first
+    steps of a run nearly only the smallest weights change. After many steps the masters sit
+    anywhere within their cells and each step flips a weight with probability ~|update| / ulp.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        words = p.data.view(torch.int32)                       # fp32 bit patterns
+        grid = (words >> 16) << 16
+        if not torch.equal(words, grid):                        # an fp32 checkpoint: off the
+            continue                                           # grid already
+        r = torch.randint(-0x7FFF, 0x8000, words.shape, generator=g, dtype=torch.int32)
+        r = torch.where((words & 0x7FFFFFFF) == 0, r.abs(), r)       # +-0: stay on its side
+        r = torch.where((words & 0x7F800000) == 0x7F800000, 0, r)    # inf / nan: untouched
+        words += r                                  # |r| < 0x8000: still rounds to the word
+
+
+def real_updates(path: Path, lr: float, args: argparse.Namespace, run_dir: Path):
+    """GRPO steps of `learner.trainer.Trainer` at `lr` from the checkpoint at `path`: after
+    `args.warmup` steps, yields (label, published state before, published state after) for
+    each of the next `args.updates` steps. Every step samples fresh groups with the newest
+    published (bf16) weights, on train-split task prompts rendered by the chat template.
+    With `args.settled`, the masters are first `settle`d (published weights unchanged)."""
+    from agent_runtime.model import load_model
+    from agent_runtime.policy import load_policy
+    from learner import tasks
+
+    torch.manual_seed(args.seed)
+    config = TrainerConfig(optim=OptimConfig(lr=lr), checkpoint_every=0)
+    trainer = Trainer(load_model(path, dtype=torch.float32), run_dir, config)
+    if args.settled:
+        settle(trainer.model, args.seed)
+    trainer.publish()
+    policy = load_policy(str(path), dtype="bfloat16", temperature=config.temperature)
+    n = (args.warmup + args.updates) * args.groups
+    prompts = [t.instruction for t in tasks.generate("train", n, seed=args.seed)]
+    for step in range(args.warmup + args.updates):
+        state = trainer.published
+        policy.swap_state(lambda live: [live[k].copy_(state[k]) for k in live], trainer.version)
+        samples, rewards, t0 = [], [], time.perf_counter()
+        for prompt in prompts[step * args.groups:(step + 1) * args.groups]:
+            got, r = rollout_group(policy, prompt, args.group_size, args.new_tokens, config.loss)
+            samples += got
+            rewards += r
+        t1 = time.perf_counter()
+        row = trainer.step(samples)
+        trainer.optimizer.zero_grad(set_to_none=True)      # free the gradients while we measure
+        print(f"#   lr {lr:g} step {step + 1}: {len(samples)} samples, {row['tokens']} tokens, "
+              f"reward {np.mean(rewards):.3f}, loss {row['loss']:.4f}, grad norm "
+              f"{row['grad_norm']:.3g}, rollout {t1 - t0:.0f}s, train {row['train_s']:.0f}s",
+              flush=True)
+        if step >= args.warmup:
+            yield f"GRPO lr={lr:g} step {step + 1}", state, trainer.published
+    del trainer, policy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--model", default="test",
+                        help="real mode: 'test' (~0.5B test shape), 'default' or a checkpoint dir")
+    parser.add_argument("--warmup", type=int, default=4, help="GRPO steps before measuring")
+    parser.add_argument("--updates", type=int, default=1, help="measured updates per lr")
+    parser.add_argument("--groups", type=int, default=2, help="task groups per step")
+    parser.add_argument("--group-size", type=int, default=4, help="G: samples per group")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens per completion")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", choices=["settled", "checkpoint"], default="settled",
+                        help="fp32 masters: 'settled' anywhere within their bf16 cells, as "
+                        "after a long run (default), or exactly the bf16 checkpoint, as in "
+                        "the first steps of a run (far fewer weights change)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="random-gradient AdamW on a random parameter set instead")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny", help="with --synthetic")
     parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
     parser.add_argument("--level", type=int, default=delta.ZSTD_LEVEL, help="zstd level")
     parser.add_argument("--store", help="bench consecutive versions of this version store")
     parser.add_argument("--last", type=int, default=3, help="with --store: how many updates")
     args = parser.parse_args()
+    args.settled = args.start == "settled"
+    tmp = tempfile.TemporaryDirectory()
     if args.store:
         updates = store_updates(args.store, args.last)
-    else:
+    elif args.synthetic:
         shape = PRESETS[args.preset]
         updates = ((f"AdamW lr={lr:g}", *adamw_updates(moe_parameters(shape), lr)) for lr in args.lr)
         print(f"# synthetic {args.preset}: {shape}", flush=True)
+    else:
+        path, what = checkpoint(args.model, Path(tmp.name))
+        print(f"# real GRPO updates of {what}: learner Trainer defaults but lr, bf16 published; "
+              f"masters {args.start}; {args.warmup} warm-up steps, then {args.updates} measured per lr; each step "
+              f"{args.groups} groups x G={args.group_size} completions of {args.new_tokens} "
+              f"tokens sampled at temperature 1 from the current version, routes replayed; "
+              f"reward: the learner's toy reward (share of even token ids)", flush=True)
+        updates = (u for i, lr in enumerate(args.lr)
+                   for u in real_updates(path, lr, args, Path(tmp.name) / f"run-{i}"))
     rows = []
     for label, old, new in updates:
         rows.append(measure(label, old, new, args.level))
     print(f"# {sum(t.numel() for t in new.values()) / 1e6:.0f}M parameters, "
-          f"{os.cpu_count()} cores, zstd level {args.level}")
+          f"{os.cpu_count()} cores, zstd level {args.level}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; encode on all cores, decode = "
+          f"verify + patch in place (apply_) on one core")
     print_table(rows)
 
 
