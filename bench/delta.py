@@ -26,8 +26,9 @@ Prints, per update: changed fraction, full size, the zstd(full) and zstd(XOR) ba
 (verify and patch in place, one core), and the ratio full/delta last. Throughput is MB of
 full state per second.
 
-    python bench/delta.py                                   # ~0.5 B test shape (~10 GB RAM)
-    python bench/delta.py --model default --warmup 8        # default shape: seconds a step
+    python bench/delta.py --model PATH                      # default-shaped: ~2 s a step
+    python bench/delta.py --model test --groups 1 --new-tokens 32 --warmup 3
+                        # ~0.5 B test shape: ~11 GB of RAM, ~70 s a step on 2 cores (~20 min)
     python bench/delta.py --model PATH --start checkpoint --lr 3e-6
     python bench/delta.py --synthetic --preset 0.5b         # ~0.47B parameters (~12 GB RAM)
     python bench/delta.py --store ~/.apprentice/versions --last 5
