@@ -127,7 +127,7 @@ def time_hf(model, prompt, new, device, reps):
         sync(device)
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None)  # never stops early, never masks eos
         sync(device)
         return time.perf_counter() - t, out[0, len(prompt):].tolist()
     run(4)
