@@ -258,7 +258,8 @@ def sessions_list(limit: int = 20, as_json: bool = False) -> None:
         click.echo("no sessions yet (start one with: apprentice run \"TASK\" -w DIR)")
     for r in rows:
         task = r["task"].splitlines()[0] if r["task"] else ""
-        click.echo(f"{r['id'][:12]}  {r['created_at'][:19]}  {r['status']:<16} "
+        status = "interrupted" if r["interrupted"] else r["status"]
+        click.echo(f"{r['id'][:12]}  {r['created_at'][:19]}  {status:<16} "
                    f"{r['message_count']:>4} msgs  {task[:60]}")
 
 
@@ -282,7 +283,9 @@ def sessions_show(session_id: str, full: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(record, ensure_ascii=False, indent=1, default=str))
         return
-    click.secho(f"session {sid}  [{session['status']}]", bold=True)
+    status = ("interrupted: its process is gone; `apprentice sessions resume` continues it"
+              if session["interrupted"] else session["status"])
+    click.secho(f"session {sid}  [{status}]", bold=True)
     click.echo(f"task:      {session['task']}\nworkspace: {session['workspace']}\n"
                f"model:     {session['model']} (version {session['policy_version']})")
     if session.get("summary"):

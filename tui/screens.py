@@ -156,8 +156,8 @@ class SessionsScreen(ModalScreen[str | None]):
         task = (session.get("task") or "").strip().splitlines()
         when = (session.get("created_at") or "")[:16].replace("T", " ")
         label = Text(f"{when}  ", style="dim")
-        label.append(f"{session.get('status', ''):<16}", style=_STATUS_STYLE.get(
-            session.get("status", ""), ""))
+        status = "interrupted" if session.get("interrupted") else session.get("status", "")
+        label.append(f"{status:<16}", style=_STATUS_STYLE.get(status, ""))
         label.append(f"{session.get('message_count', 0):>4} msgs  ", style="dim")
         label.append(task[0][:80] if task else "(no task)")
         return label
@@ -174,4 +174,5 @@ class SessionsScreen(ModalScreen[str | None]):
 
 
 _STATUS_STYLE: dict[str, Any] = {"finished": "green", "failed": "red", "running": "yellow",
-                                 "cancelled": "magenta", "budget_exhausted": "yellow"}
+                                 "cancelled": "magenta", "budget_exhausted": "yellow",
+                                 "interrupted": "red"}

@@ -43,6 +43,19 @@ def default_home() -> Path:
     return Path(os.environ.get("APPRENTICE_HOME") or "~/.apprentice").expanduser()
 
 
+def _pid_alive(pid: int | None) -> bool:
+    """Whether a process with this pid exists on this machine (unknown pid: assume alive)."""
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
@@ -287,9 +300,10 @@ class SessionStore:
         if status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
         with self.transaction():
-            cur = self.db.execute(
-                "UPDATE sessions SET status = ?, summary = COALESCE(?, summary), updated_at = ? "
-                "WHERE id = ?", [status, summary, _now(), session_id])
+            cur = self.db.execute(      # "running" again (a resume): this process owns it now
+                "UPDATE sessions SET status = ?, summary = COALESCE(?, summary), updated_at = ?, "
+                "pid = CASE WHEN ? = 'running' THEN ? ELSE pid END WHERE id = ?",
+                [status, summary, _now(), status, os.getpid(), session_id])
             if cur.rowcount == 0:
                 raise KeyError(f"no session with id {session_id!r}")
 
@@ -345,6 +359,8 @@ class SessionStore:
     @staticmethod
     def _session(row: dict) -> dict:
         row["meta"] = _loads(row["meta"])
+        # "running" in the table but its process is gone (killed, crashed): `resume` continues it
+        row["interrupted"] = row["status"] == "running" and not _pid_alive(row.get("pid"))
         return row
 
     def get_session(self, session_id_or_prefix: str) -> dict:

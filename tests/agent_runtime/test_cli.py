@@ -126,6 +126,21 @@ def test_sessions_list_and_show_find_a_session_by_prefix(home, workspace):
     assert record["session"]["id"] == sid and len(record["tool_calls"]) == 5
 
 
+def test_a_session_whose_process_was_killed_is_listed_as_interrupted(home):
+    code = ("import sys, time; from agent_runtime.store import SessionStore; "
+            "print(SessionStore(sys.argv[1]).create_session('killed task', 'w', 'm'), flush=True); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(home)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    sid = proc.stdout.readline().strip()
+    assert "running" in invoke("sessions", "list").output           # its process is alive
+    proc.kill()
+    proc.wait()
+    listed = invoke("sessions", "list").output
+    assert sid[:12] in listed and "interrupted" in listed and "running" not in listed
+    assert "interrupted: its process is gone" in invoke("sessions", "show", sid).output
+
+
 def test_unknown_session_and_bad_reason_are_clean_errors(home, workspace):
     assert "no session matching" in invoke("sessions", "show", "nope").output
     invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}")

@@ -227,6 +227,23 @@ def test_status_and_tool_call_outcome_are_recorded(store):
         ("failed", "gave up")
 
 
+def test_a_running_session_whose_process_died_reads_as_interrupted_until_resumed(store, tmp_path):
+    proc = run_python("""
+        import sys
+        from agent_runtime.store import SessionStore
+        print(SessionStore(sys.argv[1]).create_session("t", "w", "m"))
+        """, str(tmp_path / "home"))
+    sid = finish(proc).strip()                          # its process has exited: gone
+    session = store.get_session(sid)
+    assert (session["status"], session["pid"], session["interrupted"]) == ("running", proc.pid, True)
+    assert [s["interrupted"] for s in store.list_sessions()] == [True]
+    store.set_status(sid, "running")                    # a resume in this process takes it over
+    session = store.get_session(sid)
+    assert (session["pid"], session["interrupted"]) == (os.getpid(), False)
+    store.set_status(sid, "finished")
+    assert store.get_session(sid)["interrupted"] is False and store.get_session(sid)["pid"] == os.getpid()
+
+
 # -- concurrency and crashes ----------------------------------------------------------------
 
 def test_one_store_can_be_shared_by_threads(store):
