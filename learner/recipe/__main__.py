@@ -1,7 +1,7 @@
 """`python -m learner.recipe`: the recipe without the installed `apprentice` entry point.
 
     python -m learner.recipe default --out DIR [--stages pretrain,sft] [--budgets 150,70,45,50]
-                                     [--export DIR2]
+                                     [--export DIR2] [--workers N] [--processes N]
 
 For machines where the package is on PYTHONPATH but not installed (a rented GPU box).
 `--budgets` sets the wall-time caps of pretrain, sft, grpo (seconds) and the per-process
@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--budgets", help="seconds: pretrain,sft,grpo,eval-per-process")
     ap.add_argument("--export", type=Path, help="copy metrics and the last model here")
+    ap.add_argument("--workers", type=int, help="GRPO rollout workers (policy copies)")
+    ap.add_argument("--processes", type=int,
+                    help="processes collecting oracle episodes and running eval episodes")
     args = ap.parse_args()
     config = RECIPES[args.name]()
     config.pretrain.device = config.sft.device = config.grpo.device = config.eval.device = args.device
@@ -53,6 +56,10 @@ def main() -> None:
         b = [float(x) for x in args.budgets.split(",")]
         config.pretrain.train.max_seconds, config.sft.train.max_seconds = b[0], b[1]
         config.grpo.max_seconds, config.eval.max_seconds = b[2], b[3]
+    if args.workers:
+        config.grpo.workers = args.workers
+    if args.processes:
+        config.sft.workers = config.eval.processes = args.processes
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     run_recipe(args.out, config, stages)
     if args.export:
