@@ -28,12 +28,6 @@ FINISH = call("finish", summary="done")
 
 
 @pytest.fixture
-def store(tmp_path):
-    with SessionStore(tmp_path / "home") as s:
-        yield s
-
-
-@pytest.fixture
 def workspace(tmp_path):
     ws = tmp_path / "calc"
     shutil.copytree(EXAMPLES / "calc", ws)

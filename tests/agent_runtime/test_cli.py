@@ -23,12 +23,6 @@ def call(name, **arguments) -> str:
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("APPRENTICE_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-@pytest.fixture
 def workspace(tmp_path):
     ws = tmp_path / "calc"
     shutil.copytree(ROOT / "examples" / "calc", ws)

@@ -7,7 +7,6 @@ import pytest
 from agent_runtime.agent import Agent, AgentConfig, Callbacks
 from agent_runtime.context import SUMMARY_REQUEST, Context, ContextConfig
 from agent_runtime.replay_policy import ReplayPolicy
-from agent_runtime.store import SessionStore
 from agent_runtime.tools.base import tool_schema
 from agent_runtime.tools.registry import default_tools
 
@@ -16,12 +15,6 @@ TASK = "Count the lines of big.txt, reading it in parts."
 
 def call(name, **arguments) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-@pytest.fixture
-def store(tmp_path):
-    with SessionStore(tmp_path / "home") as s:
-        yield s
 
 
 @pytest.fixture

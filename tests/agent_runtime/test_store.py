@@ -25,12 +25,6 @@ from agent_runtime.store.migrations import MIGRATIONS, migrate
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def store(tmp_path):
-    with SessionStore(tmp_path / "home") as s:
-        yield s
-
-
 def run_python(code: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env,

@@ -24,12 +24,7 @@ def load_bench():
     return module
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)                 # tiny models: threads only add contention
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_real_grpo_update_changes_the_state_and_round_trips(tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
 from click.testing import CliRunner
 
 from agent_runtime.cli import main
@@ -16,12 +15,6 @@ from learner.tasks import load_tasks
 
 SUMMARY = re.compile(r"^pass@1 (\d+\.\d)% \((\d+)/(\d+)\)  mean steps (\d+\.\d)  "
                      r"mean tokens (\d+)$")
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("APPRENTICE_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
 
 
 def invoke(*args):

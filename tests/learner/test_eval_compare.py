@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,12 +27,6 @@ def restore_threads():
     old = torch.get_num_threads()                  # an in-process eval shard sets it
     yield
     torch.set_num_threads(old)
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("APPRENTICE_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
 
 
 @pytest.fixture(scope="module")

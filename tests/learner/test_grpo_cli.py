@@ -35,12 +35,6 @@ def ckpt(tmp_path_factory):
     return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("APPRENTICE_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def invoke(*args):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -19,12 +19,7 @@ from learner.grpo import Episode, Group  # noqa: E402
 from learner.versions import VersionStore  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from agent_runtime.replay_policy import ReplayPolicy
-from agent_runtime.store import SessionStore
 from agent_runtime.store.migrations import MIGRATIONS
 from learner.rollout import Episode, rewards, run_episode, run_episodes
 from learner.tasks import generate
@@ -17,12 +16,6 @@ from learner.tasks.oracle import OraclePolicy
 
 def call(name, **arguments) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-@pytest.fixture
-def store(tmp_path):
-    with SessionStore(tmp_path / "home") as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

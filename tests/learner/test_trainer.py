@@ -25,12 +25,7 @@ from learner.versions import VersionStore  # noqa: E402
 PROMPTS = ["Fix calc.py so that add() adds.", "List the files.", "Say hello.", "Run the tests."]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)                 # tiny models: threads only add contention
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "granitemoe"])
