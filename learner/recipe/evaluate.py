@@ -4,8 +4,9 @@
 model calls. Here each process loads its own copy of the checkpoint (on the GPU when there is
 one) and runs its share of the tasks with `learner.rollout.run_episode`, so a 16-core GPU
 machine evaluates 200 tasks in a couple of minutes. Greedy decoding; one episode per task;
-every model evaluated with the same `EvalConfig` sees the same tasks. Processes are spawned (CUDA cannot fork), so a script calling `evaluate_model` with more than
-one process needs the `if __name__ == "__main__":` guard.
+every model evaluated with the same `EvalConfig` sees the same tasks, built once and handed to
+the processes. Processes are spawned (CUDA cannot fork), so a script calling `evaluate_model`
+with more than one process needs the `if __name__ == "__main__":` guard.
 
 It does not format reports for people (`learner.eval` does) and it does not train.
 """
@@ -39,14 +40,14 @@ class EvalConfig:
 
 
 def eval_tasks(config: EvalConfig) -> list:
-    """The tasks `config` evaluates on, in order (the same in every process)."""
+    """The tasks `config` evaluates on, in order."""
     from learner.eval import resolve_tasks
     return resolve_tasks(config.folder or f"sim-{config.split}", config.n, seed=config.seed,
                          families=config.families)
 
 
 def _shard(args: tuple) -> list[dict]:
-    model_dir, numbers, config = args
+    model_dir, tasks, config = args
     import time
 
     import torch
@@ -60,15 +61,13 @@ def _shard(args: tuple) -> list[dict]:
     device = pick_device(config.device)
     policy = EnginePolicy.load(str(model_dir), device=device, temperature=0.0,
                                max_new_tokens=config.max_new_tokens)
-    tasks = eval_tasks(config)
     deadline = time.monotonic() + config.max_seconds if config.max_seconds else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="apprentice-eval-") as home:
         store = SessionStore(home)
-        for i in numbers:
+        for task in tasks:
             if deadline is not None and time.monotonic() > deadline:
                 break
-            task = tasks[i]
             try:
                 ep = run_episode(policy, task, store, max_steps=config.max_steps,
                                  sandbox=config.sandbox)
@@ -86,9 +85,9 @@ def _shard(args: tuple) -> list[dict]:
 def evaluate_model(model_dir: Path, config: EvalConfig) -> dict:
     """pass@1, per-family pass rates and means over the tasks of `config` (`eval_tasks`).
     An episode passes when its reward is positive: passing tests reached by cheating do not."""
-    total = len(eval_tasks(config))
-    k = max(1, min(config.processes or (os.cpu_count() or 2) - 2, total, 14))
-    chunks = [(str(model_dir), list(range(i, total, k)), config) for i in range(k)]
+    tasks = eval_tasks(config)
+    k = max(1, min(config.processes or (os.cpu_count() or 2) - 2, len(tasks), 14))
+    chunks = [(str(model_dir), tasks[i::k], config) for i in range(k)]
     if k == 1:
         parts = [_shard(chunks[0])]
     else:
