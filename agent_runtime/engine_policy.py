@@ -88,27 +88,62 @@ class EnginePolicy:
         """Token ids in, `Generation` out (a list of prompts gives a list)."""
         batched = bool(prompt_ids) and not isinstance(prompt_ids[0], int)
         prompts = list(prompt_ids) if batched else [list(prompt_ids)]
+        out, _ = self._generate(prompts, max_new_tokens, **kw)
+        return out if batched else out[0]
+
+    def _generate(self, prompts: list[Sequence[int]], max_new_tokens: int,
+                  **kw: Any) -> tuple[list[Generation], int]:
+        """One batched generation and the version of the weights that made it."""
         on_token = kw.pop("on_token", None)
         should_stop = kw.pop("should_stop", None)
+        row_should_stop = kw.pop("row_should_stop", None)
         params = self._params(max_new_tokens, max(len(p) for p in prompts), **kw)
         with self._lock:
             out = generate(self.model, prompts, params, decode=self.tokenizer.decode,
-                           on_token=on_token, should_stop=should_stop)
-        return out if batched else out[0]
+                           on_token=on_token, should_stop=should_stop,
+                           row_should_stop=row_should_stop)
+            return out, self.version
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
                  max_new_tokens: int | None = None, on_text: Callable[[str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> Completion:
-        prompt = self.render(messages, tools)
-        stream = _TextStream(self.tokenizer, set(self.stop_token_ids), on_text)
-        version = self.version
-        gen = self.generate(prompt, max_new_tokens or self.config.max_new_tokens,
-                            on_token=stream.push, should_stop=should_stop)
-        text = self.tokenizer.decode([t for t in gen.tokens if t not in self.stop_token_ids])
-        routes = gen.routes.numpy() if gen.routes is not None else None
-        return Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
-                          logprobs=gen.logprobs, routes=routes, finish_reason=gen.finish_reason,
-                          version=version)
+        return self.complete_many([messages], [tools], max_new_tokens=max_new_tokens,
+                                  on_text=[on_text], should_stop=[should_stop])[0]
+
+    def complete_many(self, conversations: Sequence[list[dict]],
+                      tools: Sequence[list[dict] | None] | None = None, *,
+                      max_new_tokens: int | None = None,
+                      on_text: Sequence[Callable[[str], None] | None] | None = None,
+                      should_stop: Sequence[Callable[[], bool] | None] | None = None
+                      ) -> list[Completion]:
+        """`complete` for several conversations in one batched generation (how a group of
+        rollouts, or several agents sharing this policy, decode together). `tools`, `on_text`
+        and `should_stop` are given per conversation; a row whose `should_stop()` turns true
+        ends "cancelled" and the others go on."""
+        n = len(conversations)
+        if n == 0:
+            return []
+        tools = list(tools) if tools is not None else [None] * n
+        on_text = list(on_text) if on_text is not None else [None] * n
+        should_stop = list(should_stop) if should_stop is not None else [None] * n
+        if not len(tools) == len(on_text) == len(should_stop) == n:
+            raise ValueError(f"complete_many: {n} conversations but {len(tools)} tools, "
+                             f"{len(on_text)} on_text and {len(should_stop)} should_stop entries")
+        prompts = [self.render(m, t) for m, t in zip(conversations, tools)]
+        skip = set(self.stop_token_ids)
+        streams = [_TextStream(self.tokenizer, skip, sink) for sink in on_text]
+        gens, version = self._generate(
+            prompts, max_new_tokens or self.config.max_new_tokens,
+            on_token=lambda row, tok, lp: streams[row].push(tok),
+            row_should_stop=should_stop if any(should_stop) else None)
+        out = []
+        for prompt, gen in zip(prompts, gens):
+            text = self.tokenizer.decode([t for t in gen.tokens if t not in skip])
+            routes = gen.routes.numpy() if gen.routes is not None else None
+            out.append(Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
+                                  logprobs=gen.logprobs, routes=routes,
+                                  finish_reason=gen.finish_reason, version=version))
+        return out
 
     # -- weight updates ------------------------------------------------------------------
     def swap_state(self, update: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
@@ -126,7 +161,7 @@ class _TextStream:
         self.token_bytes = lambda t: tokenizer.decode_bytes([t])
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def push(self, row: int, token: int, logprob: float) -> None:
+    def push(self, token: int) -> None:
         if self.sink is None or token in self.skip:
             return
         text = self.decoder.decode(self.token_bytes(token))

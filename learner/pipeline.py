@@ -73,11 +73,17 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
                   should_stop: Callable[[], bool] = lambda: False) -> Group:
     episodes, samples = [], []
     messages = [{"role": "user", "content": task.prompt}]
-    for _ in range(config.group_size):
-        sid = store.create_session(task.prompt, "", policy.name, policy.version,
+    G = config.group_size
+    if hasattr(policy, "complete_many"):            # the whole group in one batch
+        done = policy.complete_many([messages] * G, max_new_tokens=config.max_new_tokens,
+                                    should_stop=[should_stop] * G)
+    else:
+        done = [policy.complete(messages, max_new_tokens=config.max_new_tokens,
+                                should_stop=should_stop) for _ in range(G)]
+    for c in done:
+        sid = store.create_session(task.prompt, "", policy.name, c.version,
                                    meta={"family": "toy", "task_id": task.id})
         store.add_message(sid, 0, "user", task.prompt)
-        c = policy.complete(messages, max_new_tokens=config.max_new_tokens, should_stop=should_stop)
         mid = store.add_message(sid, 0, "assistant", c.text)
         store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,
                          c.version, c.finish_reason)
@@ -90,7 +96,10 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
 
 def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
                   should_stop: Callable[[], bool] = lambda: False) -> Group:
+    from agent_runtime.batching import BatchingPolicy
     from learner.rollout import run_episodes
+    if config.concurrency > 1 and hasattr(policy, "complete_many"):
+        policy = BatchingPolicy(policy, max_batch=config.concurrency)
     eps = run_episodes(lambda _task: policy, [task] * config.group_size, store,
                        concurrency=config.concurrency, max_steps=config.max_steps)
     return Group(task.id, [Episode(e.session_id, float(e.reward), bool(e.passed)) for e in eps],
@@ -169,7 +178,13 @@ class Following:
         self.policy, self.board = policy, board
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.policy, name)
+        attr = getattr(self.policy, name)
+        if name == "complete_many":              # only where the policy batches
+            def complete_many(*args: Any, **kwargs: Any) -> Any:
+                self.board.sync(self.policy)
+                return attr(*args, **kwargs)
+            return complete_many
+        return attr
 
     def complete(self, *args: Any, **kwargs: Any) -> Any:
         self.board.sync(self.policy)

@@ -73,8 +73,11 @@ def _route_dtype(model: MoEModel) -> torch.dtype:
 def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
              decode: Callable[[list[int]], str] | None = None,
              on_token: Callable[[int, int, float], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> list[Generation]:
-    """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams."""
+             should_stop: Callable[[], bool] | None = None,
+             row_should_stop: Sequence[Callable[[], bool] | None] | None = None) -> list[Generation]:
+    """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams.
+    `should_stop()` cancels every row; `row_should_stop[b]()` cancels row b alone (its
+    generation ends "cancelled" while the other rows go on)."""
     p = params or SamplingParams()
     if p.stop and decode is None:
         raise ValueError("stop strings need a `decode` function (token ids -> text)")
@@ -110,6 +113,12 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
         if should_stop is not None and should_stop():
             reasons = [r or "cancelled" for r in reasons]
             break
+        if row_should_stop is not None:
+            for b, stop in enumerate(row_should_stop):
+                if reasons[b] is None and stop is not None and stop():
+                    reasons[b] = "cancelled"
+            if all(r is not None for r in reasons):
+                break
         tok, lp = sample(out.logits[:, -1], p, gen)
         tok_l, lp_l = tok.tolist(), lp.tolist()
         for b in range(B):

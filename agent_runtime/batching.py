@@ -1,0 +1,139 @@
+"""`BatchingPolicy`: one policy shared by many agent threads, their model calls decoded together.
+
+Rollout groups, evaluations and several agents on one machine each call `complete()` from their
+own thread. Run one at a time, a small model on a CPU spends most of each token on fixed
+per-step costs; run together, eight rows cost little more than one. The wrapper queues
+concurrent calls and hands them to the wrapped policy's `complete_many` as one batch:
+
+    shared = BatchingPolicy(EnginePolicy.load(path))
+    run_episodes(lambda task: shared, tasks, store, concurrency=8)
+
+Whoever calls first while no batch is running leads: it waits briefly for more calls (until
+none arrive for `gather_s`, at most `max_wait_s`), decodes up to `max_batch` of the queued
+calls that ask for the same `max_new_tokens`, hands every caller its completion (or the error),
+and the next waiting caller leads the next batch. Calls that arrive while a batch runs form
+the next one. A caller's `should_stop` cancels its own row only. Policies without
+`complete_many` are called one at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from agent_runtime.policy import Completion
+
+
+@dataclass(eq=False)
+class _Call:
+    messages: list[dict]
+    tools: list[dict] | None
+    max_new_tokens: int | None
+    on_text: Callable[[str], None] | None
+    should_stop: Callable[[], bool] | None
+    done: bool = False
+    result: Completion | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    calls: int = 0
+    sizes: list[int] = field(default_factory=list)     # rows per batch, in order
+
+    @property
+    def mean_size(self) -> float:
+        return self.calls / self.batches if self.batches else 0.0
+
+
+class BatchingPolicy:
+    """A thread-safe `Policy` whose concurrent `complete()` calls run as batches."""
+
+    def __init__(self, policy: Any, max_batch: int = 16, gather_s: float = 0.005,
+                 max_wait_s: float = 0.05):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.policy = policy
+        self.max_batch, self.gather_s, self.max_wait_s = max_batch, gather_s, max_wait_s
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._queue: list[_Call] = []
+        self._leading = False
+
+    def __getattr__(self, name: str) -> Any:          # name, version, count_tokens, ...
+        return getattr(self.policy, name)
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
+                 max_new_tokens: int | None = None, on_text: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> Completion:
+        call = _Call(messages, tools, max_new_tokens, on_text, should_stop)
+        with self._cond:
+            self._queue.append(call)
+            self._cond.notify_all()
+            while not call.done:
+                if self._leading:
+                    self._cond.wait()
+                    continue
+                self._leading = True
+                try:
+                    self._lead()                   # releases the lock while decoding
+                finally:
+                    self._leading = False
+                    self._cond.notify_all()
+        if call.error is not None:
+            raise call.error
+        assert call.result is not None
+        return call.result
+
+    def _lead(self) -> None:
+        """Gather, take one batch off the queue and decode it (called holding the lock)."""
+        start = time.monotonic()
+        while len(self._queue) < self.max_batch:
+            seen = len(self._queue)
+            left = self.max_wait_s - (time.monotonic() - start)
+            if left <= 0:
+                break
+            self._cond.wait(min(self.gather_s, left))
+            if len(self._queue) == seen:
+                break                              # nobody else came: go
+        first = self._queue[0].max_new_tokens
+        batch = [c for c in self._queue if c.max_new_tokens == first][:self.max_batch]
+        self._queue = [c for c in self._queue if c not in batch]
+        self._cond.release()
+        try:
+            self._decode(batch)
+        finally:
+            self._cond.acquire()
+            for c in batch:
+                c.done = True
+        self.stats.batches += 1
+        self.stats.calls += len(batch)
+        self.stats.sizes.append(len(batch))
+
+    def _decode(self, batch: list[_Call]) -> None:
+        try:
+            many = getattr(self.policy, "complete_many", None)
+            if many is None or len(batch) == 1:
+                for c in batch:
+                    try:
+                        c.result = self.policy.complete(
+                            c.messages, c.tools, max_new_tokens=c.max_new_tokens,
+                            on_text=c.on_text, should_stop=c.should_stop)
+                    except Exception as exc:       # noqa: BLE001 - handed to its caller
+                        c.error = exc
+                return
+            results = many([c.messages for c in batch], [c.tools for c in batch],
+                           max_new_tokens=batch[0].max_new_tokens,
+                           on_text=[c.on_text for c in batch],
+                           should_stop=[c.should_stop for c in batch])
+            for c, r in zip(batch, results):
+                c.result = r
+        except BaseException as exc:               # every caller in the batch sees it
+            for c in batch:
+                if c.result is None and c.error is None:
+                    c.error = exc
+            if not isinstance(exc, Exception):
+                raise

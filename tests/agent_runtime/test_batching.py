@@ -1,0 +1,194 @@
+"""Batched completions: `EnginePolicy.complete_many` and `BatchingPolicy` (threads share one
+policy; their concurrent calls decode as one batch)."""
+
+import threading
+
+import pytest
+import torch
+
+from agent_runtime.agent import Agent, AgentConfig
+from agent_runtime.batching import BatchingPolicy
+from agent_runtime.policy import Completion, load_policy
+from agent_runtime.store import SessionStore
+from tiny_checkpoints import save_tiny_agent_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Fix calc.py so that add() adds."}],
+    [{"role": "system", "content": "You are a test."},
+     {"role": "user", "content": "Rename total to amount everywhere, then run the tests."}],
+    [{"role": "user", "content": "Hi."}],
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def greedy(ckpt):
+    return load_policy(str(ckpt), temperature=0.0, max_new_tokens=12)
+
+
+def same_completion(a: Completion, b: Completion) -> None:
+    assert a.prompt_ids == b.prompt_ids
+    assert a.completion_ids == b.completion_ids
+    assert a.text == b.text and a.finish_reason == b.finish_reason
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert (a.routes == b.routes).all()
+
+
+def test_complete_many_gives_each_conversation_what_complete_gives_it(greedy):
+    alone = [greedy.complete(m) for m in CONVERSATIONS]
+    together = greedy.complete_many(CONVERSATIONS)
+    assert len(together) == 3
+    for a, b in zip(alone, together):
+        same_completion(a, b)
+
+
+def test_complete_many_streams_each_row_to_its_own_sink(greedy):
+    sinks = [[], [], []]
+    out = greedy.complete_many(CONVERSATIONS, on_text=[s.append for s in sinks])
+    for chunks, c in zip(sinks, out):
+        assert "".join(chunks) == c.text
+
+
+def test_one_rows_should_stop_cancels_that_row_only(greedy):
+    out = greedy.complete_many(CONVERSATIONS, should_stop=[None, lambda: True, None])
+    assert out[1].finish_reason == "cancelled" and out[1].completion_ids == []
+    assert [c.finish_reason for c in (out[0], out[2])] != ["cancelled", "cancelled"]
+    same_completion(out[0], greedy.complete(CONVERSATIONS[0]))
+
+
+def test_complete_many_checks_its_per_row_arguments(greedy):
+    with pytest.raises(ValueError, match="3 conversations but 2 tools"):
+        greedy.complete_many(CONVERSATIONS, tools=[None, None])
+    assert greedy.complete_many([]) == []
+
+
+def run_threads(policy, calls):
+    """Call `policy.complete(*args, **kw)` for every (args, kw) from its own thread, all at once."""
+    results: list = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def one(i):
+        args, kw = calls[i]
+        barrier.wait()
+        try:
+            results[i] = policy.complete(*args, **kw)
+        except Exception as exc:                     # noqa: BLE001 - checked by the test
+            results[i] = exc
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def test_concurrent_calls_run_as_batches_and_each_gets_its_own_answer(greedy):
+    shared = BatchingPolicy(greedy, max_batch=8, gather_s=0.05, max_wait_s=1.0)
+    calls = [((CONVERSATIONS[i % 3],), {}) for i in range(6)]
+    results = run_threads(shared, calls)
+    for (args, _), got in zip(calls, results):
+        same_completion(got, greedy.complete(*args))
+    assert shared.stats.calls == 6
+    assert shared.stats.batches < 6                  # some calls shared a batch
+    assert max(shared.stats.sizes) > 1
+
+
+def test_calls_with_different_budgets_go_in_different_batches(greedy):
+    shared = BatchingPolicy(greedy, max_batch=8, gather_s=0.05, max_wait_s=1.0)
+    calls = [((CONVERSATIONS[0],), {"max_new_tokens": n}) for n in (3, 3, 5, 5)]
+    results = run_threads(shared, calls)
+    assert [len(c.completion_ids) <= n for c, n in zip(results, (3, 3, 5, 5))] == [True] * 4
+    assert shared.stats.batches >= 2 and shared.stats.calls == 4
+
+
+def test_max_batch_bounds_every_batch(greedy):
+    shared = BatchingPolicy(greedy, max_batch=2, gather_s=0.05, max_wait_s=1.0)
+    results = run_threads(shared, [((CONVERSATIONS[i % 3],), {}) for i in range(5)])
+    assert all(isinstance(r, Completion) for r in results)
+    assert max(shared.stats.sizes) <= 2 and shared.stats.calls == 5
+
+
+class Failing:
+    """A policy whose batched call raises: every caller in the batch must see the error."""
+    name, version, context_window = "failing", 0, 4096
+
+    def __init__(self):
+        self.batches = 0
+
+    def complete_many(self, conversations, tools=None, **kw):
+        self.batches += 1
+        raise RuntimeError("engine fell over")
+
+    def complete(self, messages, tools=None, **kw):    # a batch of one
+        return self.complete_many([messages])[0]
+
+
+def test_an_error_reaches_every_caller_of_the_batch_and_the_next_batch_still_runs():
+    policy = Failing()
+    shared = BatchingPolicy(policy, max_batch=8, gather_s=0.05, max_wait_s=1.0)
+    results = run_threads(shared, [((CONVERSATIONS[0],), {}) for _ in range(4)])
+    assert all(isinstance(r, RuntimeError) and "fell over" in str(r) for r in results)
+    before = policy.batches
+    with pytest.raises(RuntimeError, match="fell over"):
+        shared.complete(CONVERSATIONS[0])            # the wrapper is not wedged
+    assert policy.batches == before + 1
+
+
+class OneAtATime:
+    """A policy without complete_many (like the replay policy): called once per call."""
+    name, version, context_window = "one", 0, 4096
+
+    def __init__(self):
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def complete(self, messages, tools=None, **kw):
+        with self.lock:
+            self.calls += 1
+        return Completion(text=messages[-1]["content"], prompt_ids=[1], completion_ids=[2],
+                          logprobs=[0.0])
+
+
+def test_a_policy_without_complete_many_is_called_once_per_call():
+    policy = OneAtATime()
+    shared = BatchingPolicy(policy, gather_s=0.05, max_wait_s=1.0)
+    results = run_threads(shared, [(([{"role": "user", "content": str(i)}],), {})
+                                   for i in range(4)])
+    assert sorted(r.text for r in results) == ["0", "1", "2", "3"]
+    assert policy.calls == 4
+
+
+def test_agents_on_threads_share_one_batching_policy(ckpt, tmp_path):
+    policy = load_policy(str(ckpt), temperature=1.0, seed=0, max_new_tokens=16)
+    shared = BatchingPolicy(policy, max_batch=4, gather_s=0.05, max_wait_s=1.0)
+    store = SessionStore(tmp_path / "home")
+    results = [None] * 4
+
+    def one(i):
+        ws = tmp_path / f"ws{i}"
+        ws.mkdir()
+        results[i] = Agent(shared, store=store, workspace=ws,
+                           config=AgentConfig(max_steps=2)).run(f"Say hello {i}.")
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(r is not None for r in results)
+    assert shared.stats.calls >= 4 and shared.stats.batches < shared.stats.calls
+    for r in results:                                # every sample replays to its logprobs
+        for s in store.samples(r.session_id):
+            ids = torch.tensor([list(s["prompt_ids"]) + list(s["completion_ids"][:-1])])
+            with torch.no_grad():
+                out = policy.model(ids, routes=torch.as_tensor(s["routes"]).long()[None])
+            P = len(s["prompt_ids"])
+            lp = out.logits[0, P - 1:].log_softmax(-1)
+            lp = lp.gather(-1, torch.tensor(s["completion_ids"])[:, None])[:, 0]
+            assert (lp - torch.tensor(s["logprobs"])).abs().max().item() < 1e-4
