@@ -109,8 +109,8 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
 @click.option("--max-new-tokens", type=click.IntRange(1), default=512, show_default=True,
               help="Tokens per model call (512 is what the recipe's eval stage uses).")
 @click.option("-j", "--concurrency", type=click.IntRange(1), default=None,
-              help="Tasks run at once (default: 4 for the oracle, 1 for a model; "
-                   "--compare uses --processes).")
+              help="Tasks run at once (default: 4 for the oracle, 8 for a model, whose "
+                   "calls then decode as one batch; --compare uses --processes).")
 @click.option("--sandbox", type=click.Choice(["auto", "off", "require"]), default=None,
               help="Run commands in bubblewrap (default: $APPRENTICE_SANDBOX, else auto).")
 @click.option("-v", "--verbose", is_flag=True, help="One line per task before the summary.")
@@ -153,7 +153,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                                  "exported with --with-solution)")
     with SessionStore() as store:
         report = evaluate(task_list, factory, store, max_steps=max_steps, sandbox=sandbox,
-                          concurrency=concurrency or (4 if spec == "oracle" else 1))
+                          concurrency=concurrency or (4 if spec == "oracle" else
+                                                     1 if spec.startswith("replay:") else 8))
     click.echo(json.dumps(report.to_dict(), indent=1) if as_json
                else format_report(report, verbose=verbose))
 

@@ -86,14 +86,16 @@ def resolve_tasks(spec: str, n: int | None = None, seed: int = 0,
 def policy_factory(spec: str, max_new_tokens: int = 512) -> Callable[[TaskInstance], Any]:
     """What makes each episode's policy: `oracle` (one per task), `replay:FILE` (a fresh
     replay per task), anything else a model loaded once and shared (greedy, at most
-    `max_new_tokens` per call, as `learner.recipe.evaluate` runs it)."""
+    `max_new_tokens` per call, as `learner.recipe.evaluate` runs it) through a
+    `BatchingPolicy`, so episodes running at once decode together."""
     if spec == "oracle":
         from learner.tasks.oracle import OraclePolicy
         return OraclePolicy
     from agent_runtime.policy import load_policy
     if spec.startswith("replay:"):
         return lambda task: load_policy(spec)
-    policy = load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens)
+    from agent_runtime.batching import BatchingPolicy
+    policy = BatchingPolicy(load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens))
     return lambda task: policy
 
 
