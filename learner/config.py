@@ -44,6 +44,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2       # newest checkpoints kept on disk
     device: str = "cpu"             # where the fp32 master model trains
     seed: int = 0                   # torch seed at the start of a fresh run
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per training forward
+                                    # and backward: bounds activation memory; a longer sample
+                                    # goes alone. The gradient does not depend on it
 
 
 @dataclass

@@ -9,7 +9,9 @@ fed) with the recorded routes forced (router replay; the gate weights are recomp
 router still learns), and scores only the T completion tokens. Two diagnostics are computed on
 every forward: the route-flip rate (share of (token, MoE layer) pairs where the router's own
 top-k set differs from the recorded one; with replay on the forced routes are used anyway)
-and the train-vs-behaviour KL (k3 estimate over completion tokens).
+and the train-vs-behaviour KL (k3 estimate over completion tokens). A step runs one forward
+and one backward per micro-batch: samples sorted by length and right-padded up to
+`micro_batch_tokens` padded tokens; the loss is still the token-level mean over the whole step.
 
 Run folder: `metrics.db` (table `steps`, one row per step), `checkpoints/step-NNNNNNNN.pt`
 (model, optimizer, step, version, RNG, the caller's extra state; written atomically, the
@@ -111,65 +113,111 @@ class Trainer:
     def forward(self, sample: TrainSample, replay: bool | None = None,
                 model: MoEModel | None = None) -> ForwardOut:
         """Training logprobs of `sample`'s completion tokens, with replay as configured."""
+        return self.forward_batch([sample], replay, model)[0]
+
+    def forward_batch(self, samples: Sequence[TrainSample], replay: bool | None = None,
+                      model: MoEModel | None = None) -> list[ForwardOut]:
+        """`forward` of several samples in one right-padded forward: every row starts at
+        position 0, so causal attention keeps real tokens from seeing the padding that follows
+        them and no attention mask is needed. Padding feeds token 0 (routed to expert 0 under
+        replay); its logits and router choices are dropped."""
+        if not samples:
+            return []
         model = model or self.model
         replay = self.config.router_replay if replay is None else replay
-        P, T = len(sample.prompt_ids), len(sample.completion_ids)
+        recorded = [_recorded_routes(s, self.config.device) for s in samples]
+        with_routes = [r is not None for r in recorded]
+        if replay and any(with_routes) and not all(with_routes):     # replay is per forward
+            parts = [[i for i, w in enumerate(with_routes) if w == side] for side in (True, False)]
+            outs = [self.forward_batch([samples[i] for i in part], replay, model) for part in parts]
+            merged = dict(zip(parts[0] + parts[1], outs[0] + outs[1]))
+            return [merged[i] for i in range(len(samples))]
         dev = self.config.device
-        ids = torch.tensor([list(sample.prompt_ids) + list(sample.completion_ids[:-1])],
-                           dtype=torch.long, device=dev)                     # [1, S]
-        recorded = None
-        if sample.routes is not None:
-            if sample.routes.shape[0] != P + T - 1:
-                raise ValueError(f"routes cover {sample.routes.shape[0]} tokens; the sample fed "
-                                 f"{P + T - 1} (prompt {P} + completion {T} - 1)")
-            recorded = torch.from_numpy(np.asarray(sample.routes, dtype=np.int64)).to(dev)
+        P = [len(s.prompt_ids) for s in samples]
+        T = [len(s.completion_ids) for s in samples]
+        fed = [list(s.prompt_ids) + list(s.completion_ids[:-1]) for s in samples]
+        if min(P) < 1:
+            raise ValueError("every sample needs at least one prompt token")
+        B, S = len(samples), max(map(len, fed))
+        ids = torch.zeros(B, S, dtype=torch.long)                            # [B, S]
+        for b, row in enumerate(fed):
+            ids[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        routes = None
+        if replay and all(with_routes):
+            routes = torch.zeros((B, S) + recorded[0].shape[1:], dtype=torch.long, device=dev)
+            for b, r in enumerate(recorded):
+                routes[b, :len(r)] = r                                       # [B, S, L, k]
         chosen: list[torch.Tensor] = []
+        p0 = min(P)                            # row b's completion logits start at P[b] - 1
+        keep = S - p0 + 1                      # kept: positions p0 - 1 .. S - 1
         with self._router_choices(chosen) if model is self.model else contextlib.nullcontext():
-            out = model(ids, routes=recorded[None] if replay and recorded is not None else None,
-                        logits_to_keep=T)
+            out = model(ids.to(dev), routes=routes, logits_to_keep=keep)
+        rows = [out.logits[b, P[b] - p0:P[b] - p0 + T[b]] for b in range(B)]
         temp = self.config.temperature if self.config.temperature > 0 else 1.0
-        logits = out.logits[0].float() / temp                                # [T, V]
-        target = torch.tensor(sample.completion_ids, dtype=torch.long, device=dev)
-        lp = logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]        # [T]
-        flips = routed = 0
-        if recorded is not None and chosen:
-            own = torch.stack(chosen, dim=1).sort(-1).values                 # [S, L, k]
-            differ = (own != recorded.sort(-1).values).any(-1)              # [S, L]
-            flips, routed = int(differ.sum()), differ.numel()
-        return ForwardOut(lp, flips, routed)
+        logits = torch.cat(rows).float() / temp                              # [sum T, V]
+        target = torch.tensor([t for s in samples for t in s.completion_ids],
+                              dtype=torch.long, device=dev)
+        lp = logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]        # [sum T]
+        own = torch.stack(chosen, dim=1).view(B, S, len(chosen), -1) if chosen else None
+        outs = []
+        for b, (lp_b, rec) in enumerate(zip(lp.split(T), recorded)):
+            flips = routed = 0
+            if rec is not None and own is not None:
+                differ = (own[b, :len(rec)].sort(-1).values != rec.sort(-1).values).any(-1)
+                flips, routed = int(differ.sum()), differ.numel()            # [S_b, L]
+            outs.append(ForwardOut(lp_b, flips, routed))
+        return outs
+
+    def micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        """`samples` shortest first, packed greedily into micro-batches of at most
+        `micro_batch_tokens` padded tokens (rows x longest fed length); a longer sample goes
+        alone."""
+        budget = self.config.micro_batch_tokens
+        batches: list[list[TrainSample]] = []
+        for s in sorted(samples, key=_fed_len):
+            if batches and (len(batches[-1]) + 1) * _fed_len(s) <= budget:
+                batches[-1].append(s)
+            else:
+                batches.append([s])
+        return batches
 
     @torch.no_grad()
     def measure(self, samples: Sequence[TrainSample], replay: bool | None = None) -> dict:
         """Flip rate, behaviour KL and max |logprob difference| without updating anything."""
         acc = _Acc()
-        for s in samples:
-            out = self.forward(s, replay)
-            acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device))
+        for batch in self.micro_batches(samples):
+            for s, out in zip(batch, self.forward_batch(batch, replay)):
+                acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device))
         return acc.diagnostics()
 
     # -- one update -------------------------------------------------------------------------
 
     def step(self, samples: Sequence[TrainSample], extra_metrics: dict | None = None,
              extra_state: dict | None = None) -> dict:
-        """One optimizer step on `samples` (token-level mean loss), then publish the new
-        version, record the metrics row and checkpoint. An empty batch skips the update."""
+        """One optimizer step on `samples` (token-level mean loss over the whole batch, one
+        forward and backward per micro-batch), then publish the new version, record the
+        metrics row and checkpoint. An empty batch skips the update."""
         t0 = time.perf_counter()
         c = self.config
         n_tok = sum(s.n_tokens for s in samples)
         acc = _Acc()
         self.optimizer.zero_grad(set_to_none=True)
-        for s in samples:
-            out = self.forward(s)
-            dev = out.logprobs.device
-            behaviour = torch.tensor(s.logprobs, device=dev)
+        for batch in self.micro_batches(samples):
+            outs = self.forward_batch(batch)
+            dev = outs[0].logprobs.device
             ref = None
             if self.ref is not None:
                 with torch.no_grad():
-                    ref = self.forward(s, model=self.ref).logprobs
-            loss, stats = policy_loss(out.logprobs, behaviour,
-                                      torch.full_like(out.logprobs, s.advantage), c.loss, ref)
-            (loss.sum() / n_tok).backward()
-            acc.add_forward(out, behaviour)
+                    ref = torch.cat([o.logprobs for o in self.forward_batch(batch, model=self.ref)])
+            behaviour = [torch.tensor(s.logprobs, device=dev) for s in batch]
+            advantage = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
+                                     device=dev)
+            logprobs = torch.cat([o.logprobs for o in outs])
+            loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
+            if n_tok:
+                (loss.sum() / n_tok).backward()
+            for out, b in zip(outs, behaviour):
+                acc.add_forward(out, b)
             acc.add_loss(float(loss.detach().sum()), stats)
         updated = n_tok > 0
         grad_norm = math.nan
@@ -319,3 +367,19 @@ class _Acc:
                 "clip_frac": mean_or_nan(clipped, n),
                 "truncated_frac": mean_or_nan(self.stats.get("truncated", 0), n),
                 "ref_kl": mean_or_nan(self.stats.get("ref_kl_sum", 0.0), n)}
+
+
+def _fed_len(sample: TrainSample) -> int:
+    """Tokens the training forward feeds for `sample`: prompt + completion[:-1]."""
+    return len(sample.prompt_ids) + max(len(sample.completion_ids) - 1, 0)
+
+
+def _recorded_routes(sample: TrainSample, device: str) -> torch.Tensor | None:
+    """The sample's recorded routes [P + T - 1, L, k] as int64 on `device`, checked."""
+    if sample.routes is None:
+        return None
+    if sample.routes.shape[0] != _fed_len(sample):
+        P, T = len(sample.prompt_ids), len(sample.completion_ids)
+        raise ValueError(f"routes cover {sample.routes.shape[0]} tokens; the sample fed "
+                         f"{P + T - 1} (prompt {P} + completion {T} - 1)")
+    return torch.from_numpy(np.asarray(sample.routes, dtype=np.int64)).to(device)
