@@ -74,6 +74,87 @@ def test_replay_forces_the_recorded_experts(ckpt, tmp_path):
     assert (free.logprobs - torch.tensor(s.logprobs)).abs().max() < 1e-5
 
 
+def ragged(samples: list[TrainSample]) -> list[TrainSample]:
+    """The rollouts cut to different completion lengths (a generation's prefix is a sample too),
+    on top of their different prompt lengths."""
+    out = []
+    for i, s in enumerate(samples):
+        t, P = max(1, len(s.completion_ids) - 2 * i), len(s.prompt_ids)
+        out.append(TrainSample(s.prompt_ids, s.completion_ids[:t], s.logprobs[:t],
+                               s.routes[:P + t - 1], s.version, s.advantage))
+    return out
+
+
+def perturb(model, seed=1, scale=0.05):
+    """Move the weights off the behaviour policy so ratios, flips and clipping all show up."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale * p.abs().mean())
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_batched_forward_equals_one_by_one(ckpt, tmp_path, replay):
+    samples = ragged(rollouts(ckpt, n=6))
+    assert len({len(s.prompt_ids) for s in samples}) > 1
+    assert len({len(s.completion_ids) for s in samples}) > 1
+    t = trainer(ckpt, tmp_path)
+    perturb(t.model)
+    batched = t.forward_batch(samples, replay=replay)
+    single = [t.forward(s, replay=replay) for s in samples]
+    for b, o, s in zip(batched, single, samples):
+        assert b.logprobs.shape == (len(s.completion_ids),)
+        assert (b.logprobs - o.logprobs).abs().max() < 1e-5
+        assert (b.flips, b.routed) == (o.flips, o.routed)
+    assert sum(o.flips for o in single) > 0                   # the flip counts were exercised
+
+
+def test_batched_forward_mixes_samples_with_and_without_routes(ckpt, tmp_path):
+    samples = ragged(rollouts(ckpt))
+    samples[1] = TrainSample(**{**samples[1].__dict__, "routes": None})
+    t = trainer(ckpt, tmp_path)
+    perturb(t.model)
+    batched = t.forward_batch(samples, replay=True)
+    single = [t.forward(s, replay=True) for s in samples]
+    for b, o in zip(batched, single):
+        assert (b.logprobs - o.logprobs).abs().max() < 1e-5
+        assert (b.flips, b.routed) == (o.flips, o.routed)
+    assert batched[1].routed == 0 and batched[0].routed > 0
+
+
+def test_micro_batches_respect_the_token_budget(ckpt, tmp_path):
+    samples = ragged(rollouts(ckpt, n=6))
+    fed = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
+    t = trainer(ckpt, tmp_path, micro_batch_tokens=2 * max(fed))
+    batches = t.micro_batches(samples)
+    assert sorted(map(id, sum(batches, []))) == sorted(map(id, samples))
+    assert 1 < len(batches) < len(samples)
+    for batch in batches:
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in batch]
+        assert len(batch) * max(lengths) <= 2 * max(fed)
+    t.config.micro_batch_tokens = 1                            # every sample alone
+    assert [len(b) for b in t.micro_batches(samples)] == [1] * len(samples)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_step_gradient_does_not_depend_on_the_micro_batch_size(ckpt, tmp_path, kl_coef):
+    samples = ragged(rollouts(ckpt, n=6))
+    grads, rows = [], []
+    for budget in (1, 1 << 20):                    # one sample per micro-batch vs one for all
+        config = TrainerConfig(optim=OptimConfig(lr=1e-2), micro_batch_tokens=budget)
+        config.loss.kl_coef = kl_coef
+        t = Trainer(load_model(ckpt, dtype=torch.float32), tmp_path / str(budget), config)
+        perturb(t.model)
+        rows.append(t.step(samples))
+        grads.append({n: p.grad for n, p in t.model.named_parameters()})
+    assert all(g is not None and g.abs().sum() > 0 for g in grads[0].values())
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-7)
+    for key in ("loss", "kl", "flip_rate", "clip_frac", "ref_kl", "grad_norm"):
+        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-9), key
+    assert rows[0]["flip_rate"] > 0 and (kl_coef == 0 or rows[0]["ref_kl"] > 0)
+
+
 def test_router_gets_gradient_under_replay(ckpt, tmp_path):
     t = trainer(ckpt, tmp_path)
     t.step(rollouts(ckpt, n=2))
