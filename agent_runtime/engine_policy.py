@@ -19,6 +19,7 @@ import torch
 
 from agent_runtime.model import MoEModel, load_model, load_tokenizer
 from agent_runtime.model.generate import Generation, SamplingParams, generate
+from agent_runtime.model.prefix_cache import PrefixCache
 from agent_runtime.policy import Completion, resolve_model_path
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
@@ -33,6 +34,7 @@ class EngineConfig:
     seed: int | None = None                 # None = a fresh seed per call
     dtype: str | None = None                # None = checkpoint dtype
     device: str = "cpu"
+    prefix_cache_mb: int = 256              # keys/values of earlier calls reused (0 = off)
 
 
 class EnginePolicy:
@@ -45,6 +47,7 @@ class EnginePolicy:
         self.config = config or EngineConfig()
         self.context_window = model.args.max_position
         self._lock = threading.Lock()
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)
         specials = getattr(tokenizer, "special_tokens", {}) or {}
         self.stop_token_ids = sorted({specials[t] for t in END_OF_TURN if t in specials}
                                      | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
@@ -101,7 +104,7 @@ class EnginePolicy:
         with self._lock:
             out = generate(self.model, prompts, params, decode=self.tokenizer.decode,
                            on_token=on_token, should_stop=should_stop,
-                           row_should_stop=row_should_stop)
+                           row_should_stop=row_should_stop, prefix_cache=self.prefix_cache)
             return out, self.version
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -149,6 +152,7 @@ class EnginePolicy:
     def swap_state(self, update: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:
         """Apply `update(state_dict)` in place between model calls and set the new version."""
         with self._lock, torch.no_grad():
+            self.prefix_cache.clear()            # its keys and values are the old weights'
             update(self.model.state_dict())
             self.version = version
 

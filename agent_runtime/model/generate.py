@@ -3,8 +3,10 @@
 Returns, per prompt, the sampled tokens, each token's behaviour log-probability under the
 distribution it was actually sampled from (after temperature and top-k/top-p filtering; for
 greedy decoding, under the untempered model distribution), the expert routes of every token
-fed to the model, and a finish reason. Ragged prompts are left-padded. This module does not
-render chat prompts or parse tool calls.
+fed to the model, and a finish reason. Ragged prompts are left-padded. With a `PrefixCache`
+each prompt's longest cached prefix is copied in and only the rest is prefilled (rows are then
+laid out [pad | cached prefix | pad | new tokens]; positions count real tokens only). This
+module does not render chat prompts or parse tool calls.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from agent_runtime.model.model import MoEModel
+from agent_runtime.model.model import KVCache, MoEModel
+from agent_runtime.model.prefix_cache import Prefix, PrefixCache
 
 
 @dataclass
@@ -74,7 +77,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
              decode: Callable[[list[int]], str] | None = None,
              on_token: Callable[[int, int, float], None] | None = None,
              should_stop: Callable[[], bool] | None = None,
-             row_should_stop: Sequence[Callable[[], bool] | None] | None = None) -> list[Generation]:
+             row_should_stop: Sequence[Callable[[], bool] | None] | None = None,
+             prefix_cache: PrefixCache | None = None) -> list[Generation]:
     """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams.
     `should_stop()` cancels every row; `row_should_stop[b]()` cancels row b alone (its
     generation ends "cancelled" while the other rows go on)."""
@@ -89,19 +93,37 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
         raise ValueError("every prompt needs at least one token")
     P = max(lens)
     dev = model.embed_tokens.weight.device
-    ids = torch.zeros(B, P, dtype=torch.long)
-    mask = torch.zeros(B, P, dtype=torch.bool)
-    for b, x in enumerate(prompts):
-        ids[b, P - len(x):] = torch.tensor(list(x), dtype=torch.long)
-        mask[b, P - len(x):] = True
-    ragged = min(lens) != P
-    ids, mask = ids.to(dev), mask.to(dev)
-    total = P + p.max_new_tokens
-    if total > model.args.max_position:
+    if P + p.max_new_tokens > model.args.max_position:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({p.max_new_tokens}) exceeds the "
                          f"context window ({model.args.max_position})")
+    hits: list[tuple[Prefix | None, int]] = [(None, 0)] * B
+    if prefix_cache is not None:
+        hits = [prefix_cache.lookup(list(x)) for x in prompts]
+    C = max(n for _, n in hits)                       # cached columns (right-aligned per row)
+    fed = [lens[b] - hits[b][1] for b in range(B)]    # prompt tokens each row prefills
+    S = max(fed)
+    if C and C + S + p.max_new_tokens > model.args.max_position:
+        hits, C, fed, S = [(None, 0)] * B, 0, list(lens), P   # the padded layout would not fit
+    ids = torch.zeros(B, S, dtype=torch.long)
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, x in enumerate(prompts):
+        ids[b, S - fed[b]:] = torch.tensor(list(x)[lens[b] - fed[b]:], dtype=torch.long)
+        mask[b, S - fed[b]:] = True
+    ragged = min(fed) != S or any(n != C for _, n in hits)
+    ids, mask = ids.to(dev), mask.to(dev)
     gen = torch.Generator(device=dev).manual_seed(p.seed if p.seed is not None else int(torch.randint(2**62, ())))
-    cache = model.new_cache(B, total)
+    cache = model.new_cache(B, C + S + p.max_new_tokens)
+    heads: list[torch.Tensor | None] = [None] * B     # routes of each row's reused positions
+    if C:
+        for b, (entry, n) in enumerate(hits):
+            if entry is None:
+                continue
+            for layer in range(model.args.num_layers):
+                cache.k[layer][b, :, C - n:C] = entry.k[layer][:, :n]
+                cache.v[layer][b, :, C - n:C] = entry.v[layer][:, :n]
+            cache.valid[b, C - n:C] = True
+            heads[b] = entry.routes[:n] if entry.routes is not None else None
+        cache.pos = C
     out = model(ids, cache=cache, attention_mask=mask if ragged else None, logits_to_keep=1)
     route_chunks = [out.routes.to(_route_dtype(model)).cpu()] if out.routes is not None else []
     tokens: list[list[int]] = [[] for _ in range(B)]
@@ -140,14 +162,31 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
         out = model(tok[:, None].to(dev), cache=cache)
         if out.routes is not None:
             route_chunks.append(out.routes.to(_route_dtype(model)).cpu())
-    routes = torch.cat(route_chunks, dim=1) if route_chunks else None     # [B, P + steps, L, k]
+    routes = torch.cat(route_chunks, dim=1) if route_chunks else None     # [B, S + steps, L, k]
     results = []
     for b in range(B):
         n = len(tokens[b])
-        r = routes[b, P - lens[b]:P + n - 1] if routes is not None else None
+        r = routes[b, S - fed[b]:S + n - 1] if routes is not None else None
+        if r is not None and heads[b] is not None:
+            r = torch.cat([heads[b], r])
+        if prefix_cache is not None and prefix_cache.max_bytes > 0 and n:
+            _store(prefix_cache, cache, b, list(prompts[b]) + tokens[b][:n - 1], r, hits[b][0])
         text = texts[b]
         if text is None and decode is not None:
             text = decode(tokens[b])
         results.append(Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
                                   finish_reason=reasons[b] or "length", text=text, prompt_len=lens[b]))
     return results
+
+
+def _store(prefix_cache: PrefixCache, cache: KVCache, row: int, fed: list[int],
+           routes: torch.Tensor | None, used: Prefix | None) -> None:
+    """Keep row `row`'s keys and values of the tokens it fed (its valid columns, in order;
+    columns after them hold tokens fed once the row had finished)."""
+    cols = cache.valid[row, :cache.pos].nonzero()[:len(fed), 0]
+    if len(cols) != len(fed):
+        return                                       # cancelled before its prompt was fed
+    entry = Prefix(torch.tensor(fed, dtype=torch.long).numpy(),
+                   [k[row][:, cols].clone() for k in cache.k],
+                   [v[row][:, cols].clone() for v in cache.v], routes)
+    prefix_cache.add(entry, replaces=used)
