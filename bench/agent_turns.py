@@ -1,0 +1,137 @@
+"""Agent episodes on the engine: prefix caching and batched decoding against the plain engine.
+
+Every agent call renders the whole conversation again (system prompt, tool schemas, all turns
+so far), so without a prefix cache each call prefills thousands of tokens to add a few
+hundred. This runs real agent episodes (the loop, tools and store) on held-out simulated
+tasks with the engine policy, greedy, and times the model calls:
+
+  plain      one episode after another, prefix cache off        (the reference)
+  cached     one episode after another, prefix cache on
+  batched    all episodes at once on threads through a BatchingPolicy, prefix cache on
+
+    python bench/agent_turns.py --model .recipe/default/sft/model
+    python bench/agent_turns.py --model default --episodes 8 --steps 6 --tokens 128
+
+`--model`: a checkpoint folder, "default" (the shipped model, else a random init of the
+default shape; a random model rarely stops early, so its calls run to --tokens) or "test".
+Each setting runs the same tasks; greedy outputs can differ slightly between settings
+(reused keys were computed by decode steps, a fresh prefill computes them together), so the
+tokens generated are printed next to the times. The last line is episodes per hour of
+the batched setting over the plain one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from delta import checkpoint  # noqa: E402
+
+
+class Timed:
+    """Counts a policy's calls, their seconds, prompt tokens and generated tokens."""
+
+    def __init__(self, policy):
+        self.policy, self.lock = policy, threading.Lock()
+        self.calls = self.prompt_tokens = self.new_tokens = 0
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def complete(self, *args, **kw):
+        t = time.perf_counter()
+        c = self.policy.complete(*args, **kw)
+        with self.lock:
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+            self.prompt_tokens += len(c.prompt_ids)
+            self.new_tokens += len(c.completion_ids)
+        return c
+
+
+def run_setting(name: str, path: Path, tasks: list, a, home: Path) -> dict:
+    from agent_runtime.batching import BatchingPolicy
+    from agent_runtime.policy import load_policy
+    from agent_runtime.store import SessionStore
+    from learner.rollout import run_episodes
+
+    policy = load_policy(str(path), temperature=0.0, max_new_tokens=a.tokens,
+                         prefix_cache_mb=0 if name == "plain" else a.cache_mb)
+    timed = Timed(policy)
+    shared = BatchingPolicy(timed.policy, max_batch=len(tasks)) if name == "batched" else None
+    if shared is not None:
+        shared.policy = timed                     # time what the batcher hands the engine
+        timed.complete_many = lambda *args, **kw: _timed_many(timed, *args, **kw)
+    with SessionStore(home / name) as store:
+        t = time.perf_counter()
+        eps = run_episodes(lambda _task: shared or timed, tasks, store,
+                           concurrency=len(tasks) if shared else 1, max_steps=a.steps,
+                           sandbox="off")
+        wall = time.perf_counter() - t
+    cache = policy.prefix_cache
+    return {"setting": name, "wall_s": wall, "episodes": len(eps),
+            "calls": timed.calls, "model_s": timed.seconds,
+            "prompt_tokens": timed.prompt_tokens, "new_tokens": timed.new_tokens,
+            "reused_tokens": cache.reused_tokens,
+            "batches": shared.stats.batches if shared else timed.calls,
+            "passed": sum(e.passed for e in eps)}
+
+
+def _timed_many(timed: Timed, conversations, *args, **kw):
+    t = time.perf_counter()
+    out = timed.policy.complete_many(conversations, *args, **kw)
+    with timed.lock:
+        timed.seconds += time.perf_counter() - t
+        timed.calls += len(out)
+        timed.prompt_tokens += sum(len(c.prompt_ids) for c in out)
+        timed.new_tokens += sum(len(c.completion_ids) for c in out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--episodes", type=int, default=8, help="held-out tasks (one episode each)")
+    ap.add_argument("--steps", type=int, default=6, help="model calls per episode at most")
+    ap.add_argument("--tokens", type=int, default=128, help="max new tokens per call")
+    ap.add_argument("--cache-mb", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    ap.add_argument("--settings", default="plain,cached,batched")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from learner import tasks as sim
+    with tempfile.TemporaryDirectory() as tmp:
+        path, label = checkpoint(a.model, Path(tmp))
+        tasks = sim.generate("heldout", a.episodes, seed=0)
+        print(f"model: {label}; {a.episodes} held-out tasks, <= {a.steps} calls of <= "
+              f"{a.tokens} tokens each, greedy; torch threads {torch.get_num_threads()}, "
+              f"cpus {os.cpu_count()}")
+        rows = [run_setting(s, path, tasks, a, Path(tmp)) for s in a.settings.split(",")]
+    print(f"{'setting':>8} {'wall s':>7} {'calls':>5} {'model s':>7} {'s/call':>6} "
+          f"{'prompt tok/call':>15} {'reused':>6} {'new tok':>7} {'batches':>7} {'passed':>6}")
+    for r in rows:
+        print(f"{r['setting']:>8} {r['wall_s']:7.1f} {r['calls']:5d} {r['model_s']:7.1f} "
+              f"{r['model_s'] / max(r['calls'], 1):6.2f} "
+              f"{r['prompt_tokens'] / max(r['calls'], 1):15.0f} "
+              f"{r['reused_tokens'] / max(r['prompt_tokens'], 1):6.0%} {r['new_tokens']:7d} "
+              f"{r['batches']:7d} {r['passed']:6d}")
+    by = {r["setting"]: r for r in rows}
+    if "plain" in by:
+        for name in ("cached", "batched"):
+            if name in by:
+                print(f"{name} / plain: {by['plain']['wall_s'] / by[name]['wall_s']:.2f}x "
+                      f"episodes per hour")
+
+
+if __name__ == "__main__":
+    main()
