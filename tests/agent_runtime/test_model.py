@@ -58,3 +58,38 @@ def test_incremental_decode_equals_full_forward(pair):
         rest = [ours(ids[:, t:t + 1], cache=cache).logits for t in range(10, 16)]
     step = torch.cat([first] + rest, dim=1)
     assert (full - step).abs().max().item() < 1e-4
+
+
+def naive_experts(self, x, idx, w):
+    """Token by token, expert by expert: the reference for the fused training path."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            g, u = (x[t:t + 1] @ self.gate_up[e].T).chunk(2, dim=-1)
+            out[t] += w[t, j].to(x.dtype) * ((torch.nn.functional.silu(g) * u) @ self.down[e].T)[0]
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients_match_transformers_and_a_naive_expert_loop(family, tmp_path, monkeypatch):
+    path = save_hf_checkpoint(family, tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref.model.embed_tokens.weight.requires_grad_(True)
+    ref(ids).logits.log_softmax(-1).mean().backward()
+    ours = load_model(path, dtype="float32").requires_grad_(True)
+    ours(ids).logits.log_softmax(-1).mean().backward()
+    grads = {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None}
+    expected = ref.model.embed_tokens.weight.grad       # flows back through every expert
+    assert (grads["embed_tokens.weight"] - expected).abs().max().item() < 1e-5
+
+    from agent_runtime.model.model import Experts
+    monkeypatch.setattr(Experts, "forward", naive_experts)
+    naive = load_model(path, dtype="float32").requires_grad_(True)
+    naive(ids).logits.log_softmax(-1).mean().backward()
+    experts = [n for n in grads if ".experts." in n]
+    assert experts
+    for n, p in naive.named_parameters():
+        if p.grad is not None:
+            assert (grads[n] - p.grad).abs().max().item() < 1e-5, n
