@@ -80,17 +80,18 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
     else:
         done = [policy.complete(messages, max_new_tokens=config.max_new_tokens,
                                 should_stop=should_stop) for _ in range(G)]
-    for c in done:
-        sid = store.create_session(task.prompt, "", policy.name, c.version,
-                                   meta={"family": "toy", "task_id": task.id})
-        store.add_message(sid, 0, "user", task.prompt)
-        mid = store.add_message(sid, 0, "assistant", c.text)
-        store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,
-                         c.version, c.finish_reason)
-        reward = toy_reward(c.completion_ids, policy.stop_token_ids)
-        store.set_status(sid, "finished", summary=f"reward {reward:.3f}")
-        episodes.append(Episode(sid, reward, passed=reward > 0.5))
-        samples.append(store.samples(sid))
+    with store.transaction():                      # the group is recorded whole or not at all
+        for c in done:
+            sid = store.create_session(task.prompt, "", policy.name, c.version,
+                                       meta={"family": "toy", "task_id": task.id})
+            store.add_message(sid, 0, "user", task.prompt)
+            mid = store.add_message(sid, 0, "assistant", c.text)
+            store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,
+                             c.version, c.finish_reason)
+            reward = toy_reward(c.completion_ids, policy.stop_token_ids)
+            store.set_status(sid, "finished", summary=f"reward {reward:.3f}")
+            episodes.append(Episode(sid, reward, passed=reward > 0.5))
+    samples = [store.samples(e.session_id) for e in episodes]
     return Group(task.id, episodes, samples)
 
 
