@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import threading
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
