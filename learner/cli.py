@@ -4,7 +4,6 @@ imports happen inside the commands."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 

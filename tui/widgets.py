@@ -9,7 +9,6 @@ the agent nor writes to the store.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from rich.text import Text

@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from learner.tasks import TaskInstance
 
 TASK_FILE = "task.json"
 SOLUTION_FILE = "solution.json"

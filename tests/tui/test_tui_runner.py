@@ -1,7 +1,6 @@
 """Settings to policy, display names, and following learner versions between model calls."""
 
 import json
-from types import SimpleNamespace
 
 from tui import runner
 from tui.runner import Settings
