@@ -98,6 +98,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                          f"context window ({model.args.max_position})")
     hits: list[tuple[Prefix | None, int]] = [(None, 0)] * B
     if prefix_cache is not None:
+        if B > 1 and prefix_cache.max_bytes > 0:
+            _prefill_shared(model, prompts, prefix_cache)
         hits = [prefix_cache.lookup(list(x)) for x in prompts]
     C = max(n for _, n in hits)                       # cached columns (right-aligned per row)
     fed = [lens[b] - hits[b][1] for b in range(B)]    # prompt tokens each row prefills
@@ -177,6 +179,31 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
         results.append(Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
                                   finish_reason=reasons[b] or "length", text=text, prompt_len=lens[b]))
     return results
+
+
+SHARED_MIN = 32  # shared uncached prompt tokens worth one extra single-row prefill
+
+
+def _prefill_shared(model: MoEModel, prompts: Sequence[Sequence[int]],
+                    prefix_cache: PrefixCache) -> None:
+    """Rows that begin alike (a GRPO group's first call: one prompt, eight rows) would each
+    prefill the same tokens: prefill their common prefix once, as a cache entry they reuse."""
+    first = torch.tensor(list(prompts[0]), dtype=torch.long)
+    n = len(first)
+    for x in prompts[1:]:
+        m = min(n, len(x))
+        same = (first[:m] == torch.tensor(list(x)[:m], dtype=torch.long)).long()
+        n = int(same.cumprod(0).sum())
+    _, cached = prefix_cache.longest(first[:n].tolist())
+    if n - cached < SHARED_MIN:
+        return
+    dev = model.embed_tokens.weight.device
+    cache = model.new_cache(1, n)
+    out = model(first[None, :n].to(dev), cache=cache, logits_to_keep=1)
+    routes = out.routes[0].to(_route_dtype(model)).cpu() if out.routes is not None else None
+    prefix_cache.add(Prefix(first[:n].numpy().copy(), [k[0, :, :n].clone() for k in cache.k],
+                            [v[0, :, :n].clone() for v in cache.v], routes))
+    prefix_cache.shared_prefills += 1
 
 
 def _store(prefix_cache: PrefixCache, cache: KVCache, row: int, fed: list[int],

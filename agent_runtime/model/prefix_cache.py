@@ -41,6 +41,7 @@ class PrefixCache:
         self.entries: list[Prefix] = []       # least recently used first
         self.hits = self.misses = 0
         self.reused_tokens = 0
+        self.shared_prefills = 0              # prefixes prefilled once for several rows
 
     @property
     def nbytes(self) -> int:
@@ -49,22 +50,29 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
 
-    def lookup(self, prompt: list[int]) -> tuple[Prefix | None, int]:
-        """The entry sharing the most leading tokens with `prompt` and how many of them may be
-        reused (at most len(prompt) - 1: the last prompt token is always fed, for its logits)."""
-        if not self.entries or len(prompt) < 2:
-            self.misses += 1
-            return None, 0
+    def longest(self, prompt: list[int], limit: int | None = None) -> tuple[Prefix | None, int]:
+        """The entry sharing the most leading tokens with `prompt` (at most `limit`) and how
+        many; touches nothing."""
         ids = np.asarray(prompt, dtype=np.int64)
+        limit = len(ids) if limit is None else limit
         best, best_n = None, 0
         for e in self.entries:
-            m = min(len(e.ids), len(ids) - 1)
+            m = min(len(e.ids), limit)
             if m <= best_n:
                 continue
             diff = np.flatnonzero(e.ids[:m] != ids[:m])
             n = int(diff[0]) if diff.size else m
             if n > best_n:
                 best, best_n = e, n
+        return best, best_n
+
+    def lookup(self, prompt: list[int]) -> tuple[Prefix | None, int]:
+        """The entry sharing the most leading tokens with `prompt` and how many of them may be
+        reused (at most len(prompt) - 1: the last prompt token is always fed, for its logits)."""
+        if not self.entries or len(prompt) < 2:
+            self.misses += 1
+            return None, 0
+        best, best_n = self.longest(prompt, len(prompt) - 1)
         if best is None:
             self.misses += 1
             return None, 0

@@ -117,3 +117,18 @@ def test_prefix_cache_mb_zero_turns_it_off(ckpt):
     policy.complete([{"role": "user", "content": "Hi."}])
     policy.complete([{"role": "user", "content": "Hi."}])
     assert policy.prefix_cache.entries == [] and policy.prefix_cache.hits == 0
+
+
+def test_rows_that_begin_alike_prefill_their_common_prefix_once(model):
+    cache = PrefixCache()
+    head = prompt(14, 60)
+    rows = [head, head, head + prompt(15, 5), head[:50] + prompt(16, 8)]   # common: 50 tokens
+    got = generate(model, rows, GREEDY, prefix_cache=cache)
+    assert cache.shared_prefills == 1
+    assert cache.reused_tokens == 4 * 50
+    for p, g in zip(rows, got):
+        same(g, generate(model, [p], GREEDY)[0])
+        assert replays(model, p, g) < 1e-5
+    group = [head + prompt(17, 3)] * 3        # 63 shared tokens, 60 of them cached: no prefill
+    generate(model, group, GREEDY, prefix_cache=cache)
+    assert cache.shared_prefills == 1
