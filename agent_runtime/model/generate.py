@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from agent_runtime.model.model import KVCache, MoEModel
-from agent_runtime.model.prefix_cache import Prefix, PrefixCache
+from agent_runtime.model.prefix_cache import Prefix, PrefixCache, common_prefix
 
 
 @dataclass
@@ -188,21 +188,16 @@ def _prefill_shared(model: MoEModel, prompts: Sequence[Sequence[int]],
                     prefix_cache: PrefixCache) -> None:
     """Rows that begin alike (a GRPO group's first call: one prompt, eight rows) would each
     prefill the same tokens: prefill their common prefix once, as a cache entry they reuse."""
-    first = torch.tensor(list(prompts[0]), dtype=torch.long)
-    n = len(first)
-    for x in prompts[1:]:
-        m = min(n, len(x))
-        same = (first[:m] == torch.tensor(list(x)[:m], dtype=torch.long)).long()
-        n = int(same.cumprod(0).sum())
-    _, cached = prefix_cache.longest(first[:n].tolist())
+    first = list(prompts[0])
+    n = min(common_prefix(first, x) for x in prompts[1:])
+    _, cached = prefix_cache.longest(first[:n])
     if n - cached < SHARED_MIN:
         return
-    dev = model.embed_tokens.weight.device
     cache = model.new_cache(1, n)
-    out = model(first[None, :n].to(dev), cache=cache, logits_to_keep=1)
+    out = model(torch.tensor([first[:n]], device=model.embed_tokens.weight.device), cache=cache,
+                logits_to_keep=1)
     routes = out.routes[0].to(_route_dtype(model)).cpu() if out.routes is not None else None
-    prefix_cache.add(Prefix(first[:n].numpy().copy(), [k[0, :, :n].clone() for k in cache.k],
-                            [v[0, :, :n].clone() for v in cache.v], routes))
+    _store(prefix_cache, cache, 0, first[:n], routes, None)
     prefix_cache.shared_prefills += 1
 
 

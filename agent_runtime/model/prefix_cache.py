@@ -23,6 +23,13 @@ import numpy as np
 import torch
 
 
+def common_prefix(a, b, limit: int | None = None) -> int:
+    """How many leading token ids `a` and `b` share (at most `limit`)."""
+    m = min(len(a), len(b), len(a) if limit is None else limit)
+    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
+    return int(diff[0]) if diff.size else m
+
+
 @dataclass(eq=False)
 class Prefix:
     ids: np.ndarray                         # [n] int64 token ids fed
@@ -57,11 +64,9 @@ class PrefixCache:
         limit = len(ids) if limit is None else limit
         best, best_n = None, 0
         for e in self.entries:
-            m = min(len(e.ids), limit)
-            if m <= best_n:
+            if min(len(e.ids), limit) <= best_n:
                 continue
-            diff = np.flatnonzero(e.ids[:m] != ids[:m])
-            n = int(diff[0]) if diff.size else m
+            n = common_prefix(e.ids, ids, limit)
             if n > best_n:
                 best, best_n = e, n
         return best, best_n
