@@ -50,12 +50,21 @@ class Timed:
     def complete(self, *args, **kw):
         t = time.perf_counter()
         c = self.policy.complete(*args, **kw)
-        with self.lock:
-            self.seconds += time.perf_counter() - t
-            self.calls += 1
-            self.prompt_tokens += len(c.prompt_ids)
-            self.new_tokens += len(c.completion_ids)
+        self._count([c], time.perf_counter() - t)
         return c
+
+    def complete_many(self, *args, **kw):            # what a BatchingPolicy hands the engine
+        t = time.perf_counter()
+        out = self.policy.complete_many(*args, **kw)
+        self._count(out, time.perf_counter() - t)
+        return out
+
+    def _count(self, completions, seconds: float) -> None:
+        with self.lock:
+            self.seconds += seconds
+            self.calls += len(completions)
+            self.prompt_tokens += sum(len(c.prompt_ids) for c in completions)
+            self.new_tokens += sum(len(c.completion_ids) for c in completions)
 
 
 def run_setting(name: str, path: Path, tasks: list, a, home: Path) -> dict:
@@ -67,10 +76,7 @@ def run_setting(name: str, path: Path, tasks: list, a, home: Path) -> dict:
     policy = load_policy(str(path), temperature=0.0, max_new_tokens=a.tokens,
                          prefix_cache_mb=0 if name == "plain" else a.cache_mb)
     timed = Timed(policy)
-    shared = BatchingPolicy(timed.policy, max_batch=len(tasks)) if name == "batched" else None
-    if shared is not None:
-        shared.policy = timed                     # time what the batcher hands the engine
-        timed.complete_many = lambda *args, **kw: _timed_many(timed, *args, **kw)
+    shared = BatchingPolicy(timed, max_batch=len(tasks)) if name == "batched" else None
     with SessionStore(home / name) as store:
         t = time.perf_counter()
         eps = run_episodes(lambda _task: shared or timed, tasks, store,
@@ -84,17 +90,6 @@ def run_setting(name: str, path: Path, tasks: list, a, home: Path) -> dict:
             "reused_tokens": cache.reused_tokens,
             "batches": shared.stats.batches if shared else timed.calls,
             "passed": sum(e.passed for e in eps)}
-
-
-def _timed_many(timed: Timed, conversations, *args, **kw):
-    t = time.perf_counter()
-    out = timed.policy.complete_many(conversations, *args, **kw)
-    with timed.lock:
-        timed.seconds += time.perf_counter() - t
-        timed.calls += len(out)
-        timed.prompt_tokens += sum(len(c.prompt_ids) for c in out)
-        timed.new_tokens += sum(len(c.completion_ids) for c in out)
-    return out
 
 
 def main() -> None:
