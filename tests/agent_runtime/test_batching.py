@@ -10,7 +10,7 @@ from agent_runtime.agent import Agent, AgentConfig
 from agent_runtime.batching import BatchingPolicy
 from agent_runtime.policy import Completion, load_policy
 from agent_runtime.store import SessionStore
-from tiny_checkpoints import replayed_logprobs, save_tiny_agent_checkpoint
+from tiny_checkpoints import save_tiny_agent_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,5 +185,10 @@ def test_agents_on_threads_share_one_batching_policy(ckpt, tmp_path):
     assert shared.stats.calls >= 4 and shared.stats.batches < shared.stats.calls
     for r in results:                                # every sample replays to its logprobs
         for s in store.samples(r.session_id):
-            lp = replayed_logprobs(policy.model, s["prompt_ids"], s["completion_ids"], s["routes"])
+            ids = torch.tensor([list(s["prompt_ids"]) + list(s["completion_ids"][:-1])])
+            with torch.no_grad():
+                out = policy.model(ids, routes=torch.as_tensor(s["routes"]).long()[None])
+            P = len(s["prompt_ids"])
+            lp = out.logits[0, P - 1:].log_softmax(-1)
+            lp = lp.gather(-1, torch.tensor(s["completion_ids"])[:, None])[:, 0]
             assert (lp - torch.tensor(s["logprobs"])).abs().max().item() < 1e-4

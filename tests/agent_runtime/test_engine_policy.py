@@ -6,7 +6,7 @@ import torch
 from agent_runtime.agent import Agent, AgentConfig
 from agent_runtime.policy import load_policy
 from agent_runtime.store import SessionStore
-from tiny_checkpoints import replayed_logprobs, save_tiny_agent_checkpoint
+from tiny_checkpoints import save_tiny_agent_checkpoint
 
 MESSAGES = [{"role": "system", "content": "You are a test."},
             {"role": "user", "content": "Fix calc.py so that add() adds."}]
@@ -36,7 +36,11 @@ def test_streamed_text_equals_final_text(policy):
 
 def test_recorded_routes_replay_the_behaviour_logprobs(policy):
     c = policy.complete(MESSAGES)
-    lp = replayed_logprobs(policy.model, c.prompt_ids, c.completion_ids, c.routes)
+    ids = torch.tensor([c.prompt_ids + c.completion_ids[:-1]])
+    with torch.no_grad():
+        out = policy.model(ids, routes=torch.from_numpy(c.routes).long()[None])
+    lp = out.logits[0, len(c.prompt_ids) - 1:].log_softmax(-1)
+    lp = lp.gather(-1, torch.tensor(c.completion_ids)[:, None])[:, 0]
     assert (lp - torch.tensor(c.logprobs)).abs().max().item() < 1e-5
 
 

@@ -7,7 +7,7 @@ import torch
 from agent_runtime.model.generate import SamplingParams, generate
 from agent_runtime.model.prefix_cache import PrefixCache
 from agent_runtime.policy import load_policy
-from tiny_checkpoints import replayed_logprobs, save_tiny_agent_checkpoint
+from tiny_checkpoints import save_tiny_agent_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +38,11 @@ def same(a, b):
 
 def replays(model, p: list[int], g) -> float:
     """Max |logprob| gap between a full forward with the recorded routes and `g`."""
-    lp = replayed_logprobs(model, p, g.tokens, g.routes)
+    ids = torch.tensor([p + g.tokens[:-1]])
+    with torch.no_grad():
+        out = model(ids, routes=g.routes.long()[None])
+    lp = out.logits[0, len(p) - 1:].float().log_softmax(-1)
+    lp = lp.gather(-1, torch.tensor(g.tokens)[:, None])[:, 0]
     return (lp - torch.tensor(g.logprobs)).abs().max().item()
 
 

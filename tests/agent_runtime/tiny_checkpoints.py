@@ -95,13 +95,3 @@ def save_tiny_agent_checkpoint(path: Path, family: str = "qwen2_moe", vocab: int
         "chat_template": DEFAULT_CHAT_TEMPLATE, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "bos_token": None}))
     return path
-
-
-@torch.no_grad()
-def replayed_logprobs(model, prompt_ids, completion_ids, routes) -> torch.Tensor:
-    """Logprobs of `completion_ids` from one full forward of prompt + completion[:-1] with the
-    recorded `routes` [P + T - 1, L, k] forced: what the trainer computes for a sample."""
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids[:-1])])
-    out = model(ids, routes=torch.as_tensor(routes).long()[None])
-    lp = out.logits[0, len(prompt_ids) - 1:].float().log_softmax(-1)
-    return lp.gather(-1, torch.tensor(list(completion_ids))[:, None])[:, 0]
