@@ -101,6 +101,79 @@ assistant.<|im_end|>\\n' }}
 """
 
 
+# The harness our recipe trains its models in: the same ChatML turns and `<tool_call>` format as
+# DEFAULT_CHAT_TEMPLATE, but each tool is listed as one line, `name(required, optional?)`, with
+# its description only when it is not one of the built-in tools the model was trained with.
+# Eight built-ins cost ~40 tokens this way instead of ~1,300 as JSON schemas. A checkpoint
+# carries it as its own chat template (and says so in config.json, "apprentice_harness":
+# "compact"); third-party checkpoints keep theirs and see full schemas. Plugin and MCP tools
+# still reach the model: their signature and first description line are listed.
+COMPACT_BUILTIN_TOOLS = ("read_file", "write_file", "edit_file", "list_files", "grep",
+                         "semantic_search", "run_command", "finish")
+COMPACT_CHAT_TEMPLATE = """\
+{%- set builtin = """ + repr(list(COMPACT_BUILTIN_TOOLS)) + """ %}
+{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are a helpful assistant.' }}
+{%- endif %}
+{%- if tools %}
+    {{- '\\n\\n# Tools' }}
+    {%- for tool in tools %}
+        {%- set fn = tool.function if tool.function is defined else tool %}
+        {%- set params = fn.parameters if fn.parameters is defined and fn.parameters else {} %}
+        {%- set props = params.properties if params.properties is defined else {} %}
+        {%- set req = params.required if params.required is defined else [] %}
+        {{- '\\n' + fn.name + '(' }}
+        {%- for name in props %}
+            {{- (', ' if not loop.first else '') + name + ('' if name in req else '?') }}
+        {%- endfor %}
+        {{- ')' }}
+        {%- if fn.name not in builtin and fn.description is defined and fn.description %}
+            {{- ': ' + fn.description.split('\\n')[0] }}
+        {%- endif %}
+    {%- endfor %}
+    {{- '\\nCall tools as <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for message in messages %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) or \
+(message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
 class ChatTemplate:
     """One or more named jinja chat templates plus the special tokens they may refer to."""
 

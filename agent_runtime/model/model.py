@@ -313,9 +313,12 @@ class MoEModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, routes: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> ModelOutput:
+                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0,
+                logits_at: torch.Tensor | None = None) -> ModelOutput:
         """input_ids [B, T]; routes [B, T, L, k] replays expert choices; attention_mask [B, T]
-        marks real tokens (False = left padding) of this call; logits_to_keep=n keeps the last n."""
+        marks real tokens (False = left padding) of this call; logits_to_keep=n keeps the last n;
+        logits_at [B, T] bool computes logits only there: .logits is then [N, V] (training on a
+        few positions of long sequences skips most of the output head)."""
         a = self.args
         B, T = input_ids.shape
         past = cache.pos if cache is not None else 0
@@ -356,6 +359,8 @@ class MoEModel(nn.Module):
             cache.pos = past + T
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
+        if logits_at is not None:
+            x = x[logits_at]                                              # [N, H]
         logits = self.lm_head(self.norm(x))
         if a.logits_scaling != 1.0:
             logits = logits / a.logits_scaling

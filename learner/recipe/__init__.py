@@ -26,9 +26,28 @@ from learner.recipe.stages import STAGES, GRPOStageConfig, RecipeConfig, run_rec
 from learner.recipe.tokenizer_stage import TokenizerConfig
 
 
+# The shipped model's shape, sized for a 2-core CPU: 19.6 M parameters (~7 M active per token),
+# 8 experts top-2, a 4,096-token window.
+DEFAULT_SHAPE = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
+                           head_dim=64, num_experts=8, top_k=2, expert_size=256)
+
+
 def default_recipe() -> RecipeConfig:
-    """The shipped model: qwen3_moe, hidden 384, 6 layers, 8 experts top-2, vocab 8192."""
-    return RecipeConfig(eval=EvalConfig(n=200))
+    """The shipped model, made on 2 CPU cores: qwen3_moe, hidden 256, 6 layers, 8 experts
+    top-2, vocab 8192; pre-trained on solved task repositories and library code, then SFT on
+    oracle episodes in the compact harness, then GRPO."""
+    return RecipeConfig(
+        pretrain=PretrainConfig(
+            shape=DEFAULT_SHAPE,
+            train=LMConfig(steps=20000, lr=2e-3, warmup=30, max_seconds=900, fit_to_time=True,
+                           checkpoint_every=50, log_every=10),
+            corpus_bytes=8_000_000, task_repos=6000, seq_len=1024, batch_size=16),
+        sft=SFTConfig(
+            train=LMConfig(steps=20000, lr=1e-3, warmup=30, weight_decay=0.0, max_seconds=3000,
+                           fit_to_time=True, checkpoint_every=50, log_every=10,
+                           head_on_mask=True),
+            tasks=3000, workers=2, batch_tokens=16384, small_window=(1400, 2048)),
+        eval=EvalConfig(n=200))
 
 
 def toy_recipe() -> RecipeConfig:

@@ -44,6 +44,8 @@ class LMConfig:
     fit_to_time: bool = False       # with max_seconds: after 10 and 50 steps, shorten `steps` (and
                                     # the schedule) to what fits; the plan is saved for resuming
     seed: int = 0                   # torch seed of initialization-independent randomness
+    head_on_mask: bool = False      # output head only where the loss mask is set (SFT: the
+                                    # completions, a small share of each sequence)
 
 
 def lr_at(step: int, c: LMConfig, total: int | None = None) -> float:
@@ -120,7 +122,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
     stats = RouterStats(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") \
         else torch.autocast("cpu", enabled=False)
-    t0, tokens, step = time.time(), 0, start
+    t0, tokens, seen, step = time.time(), 0, 0, start
     window: list[float] = []
     try:
         while step < total:
@@ -128,14 +130,21 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
                 g["lr"] = lr_at(step, c, total)
             ids, targets, mask = (t.to(device, non_blocking=True) for t in batch(step))
             with autocast:
-                logits = model(ids).logits
-            loss = masked_loss(logits, targets, mask)
+                if c.head_on_mask:
+                    logits = model(ids, logits_at=mask).logits            # [N, V]
+                else:
+                    logits = model(ids).logits
+            if c.head_on_mask:
+                loss = F.cross_entropy(logits.float(), targets[mask])
+            else:
+                loss = masked_loss(logits, targets, mask)
             aux = stats.aux_loss()
             opt.zero_grad(set_to_none=True)
             (loss + c.aux_coef * aux).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip or float("inf"))
             opt.step()
             tokens += int(mask.sum())
+            seen += ids.numel()
             window.append(loss.item())
             step = done = step + 1
             if c.fit_to_time and c.max_seconds and done - start in (10, 50):
@@ -145,7 +154,8 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
             if done % c.log_every == 0 or done == total:
                 row = {"step": done, "loss": sum(window) / len(window), "aux": aux.item(),
                        "grad_norm": float(norm), "lr": lr_at(done - 1, c, total),
-                       "tokens_per_s": tokens / max(time.time() - t0, 1e-9)}
+                       "tokens_per_s": tokens / max(time.time() - t0, 1e-9),
+                       "seen_per_s": seen / max(time.time() - t0, 1e-9)}
                 if evaluate is not None and eval_every and (done % eval_every == 0 or done == total):
                     row.update(evaluate())
                     model.train()

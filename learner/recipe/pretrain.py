@@ -58,6 +58,7 @@ class ModelShape:
             "rope_theta": self.rope_theta, "hidden_act": "silu", "attention_bias": False,
             "attention_dropout": 0.0, "router_aux_loss_coef": 0.001, "output_router_logits": False,
             "use_sliding_window": False, "tie_word_embeddings": self.tie_embeddings,
+            "apprentice_harness": "compact",   # trained with COMPACT_CHAT_TEMPLATE's tool listing
             "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": eos_token_id,
             "pad_token_id": pad_token_id,
         }
@@ -70,6 +71,8 @@ class PretrainConfig:
         steps=20000, lr=2e-3, warmup=100, max_seconds=600, fit_to_time=True,
         checkpoint_every=500, log_every=50))                # the optimization (10 min)
     corpus_bytes: int = 48_000_000  # source bytes tokenized for training (held-out on top)
+    task_repos: int = 0             # solved simulated training repositories added to the train
+                                    # text (`task_corpus`): the code the tasks are made of
     heldout_bytes: int = 1_000_000  # held-out source bytes (perplexity)
     heldout_percent: int = 2        # must match the tokenizer stage's split
     seq_len: int = 2048             # tokens per training window
@@ -94,7 +97,11 @@ def encode_corpus(tok, files: list[tuple[str, Path]], config: PretrainConfig, pa
     for split, budget in (("train", config.corpus_bytes), ("heldout", config.heldout_bytes)):
         chosen = [(n, p) for n, p in files if is_heldout(n, config.heldout_percent) == (split == "heldout")]
         ids: list[int] = []
-        for _, text in read_texts(chosen, budget):
+        texts = [t for _, t in read_texts(chosen, budget)]
+        if split == "train" and config.task_repos:
+            from learner.recipe.task_corpus import repo_texts
+            texts += [t for _, t in repo_texts(config.task_repos, seed=config.seed)]
+        for text in texts:
             ids.extend(tok.encode(text, special=False))
             ids.append(eot)
         out[split] = np.asarray(ids, dtype=dtype)

@@ -45,7 +45,9 @@ class SFTConfig:
     small_window: tuple[int, int] = (2000, 2800)  # that window, drawn per episode
     context_window: int = 4096      # the model's window (every other episode)
     workers: int = 2                # processes collecting episodes (0: one per core)
-    batch_size: int = 16            # sequences per step (right-padded)
+    batch_size: int = 16            # sequences per step (right-padded), when batch_tokens is 0
+    batch_tokens: int = 0           # else: steps of about this many tokens, sequences of like
+                                    # length together (little padding), every sequence once an epoch
     max_len: int = 4096             # longer sequences are cut
     device: str = "auto"            # "auto": cuda when available, else cpu
     seed: int = 0                   # episode windows and batch order
@@ -221,6 +223,36 @@ def sequence_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_size: int,
     return batch
 
 
+def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int, max_len: int,
+                   pad: int, seed: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """batch(step): sequences of similar length (sorted, then cut into groups whose padded size
+    stays within `batch_tokens`), groups in an order shuffled per epoch by (seed, epoch); each
+    epoch shows every sequence once. Same output as `sequence_batches`."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    groups: list[list[int]] = []
+    for i in order:
+        n = min(len(seqs[i][0]), max_len)
+        if groups and (len(groups[-1]) + 1) * n <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+
+    def batch(step: int):
+        epoch, k = divmod(step, len(groups))
+        perm = list(range(len(groups)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        picked = [seqs[i] for i in groups[perm[k]]]
+        T = min(max_len, max(len(ids) for ids, _ in picked)) - 1
+        ids = torch.full((len(picked), T + 1), pad, dtype=torch.long)
+        mask = torch.zeros(len(picked), T + 1, dtype=torch.bool)
+        for b, (s, m) in enumerate(picked):
+            n = min(len(s), T + 1)
+            ids[b, :n] = torch.from_numpy(s[:n].astype(np.int64))
+            mask[b, :n] = torch.from_numpy(m[:n].astype(bool))
+        return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+    return batch
+
+
 def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
         log: Callable[[dict], None] = print) -> dict:
     """Fine-tune the checkpoint in `start_dir` on `data` (see `collect`); write `out/model`."""
@@ -234,7 +266,10 @@ def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
     if not seqs:
         raise ValueError(f"{data}: no SFT sequences")
     pad = tok.special_tokens["<|endoftext|>"]
-    batch = sequence_batches(seqs, config.batch_size, config.max_len, pad, config.seed)
+    if config.batch_tokens:
+        batch = length_batches(seqs, config.batch_tokens, config.max_len, pad, config.seed)
+    else:
+        batch = sequence_batches(seqs, config.batch_size, config.max_len, pad, config.seed)
     result = train_lm(model, batch, config.train, out / "state", device, log=log)
     model.to("cpu")
     save_model(model, out / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)

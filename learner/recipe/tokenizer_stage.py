@@ -208,7 +208,7 @@ def save_tokenizer(tok: Tokenizer, directory: Path, chat_template: str) -> Path:
 
 def run(out: Path, config: TokenizerConfig, files: list[tuple[str, Path]] | None = None) -> dict:
     """Train the tokenizer on the train split of the corpus; write it to `out`; return metrics."""
-    from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
+    from agent_runtime.model.chat_template import COMPACT_CHAT_TEMPLATE
 
     files = files if files is not None else corpus_files(max_file_bytes=config.max_file_bytes)
     train = [(n, p) for n, p in files if not is_heldout(n, config.heldout_percent)]
@@ -217,7 +217,7 @@ def run(out: Path, config: TokenizerConfig, files: list[tuple[str, Path]] | None
     n_merges = config.vocab_size - 256 - len(SPECIAL_TOKENS) - len(MARKER_TOKENS)
     ranks = train_bpe(counts, n_merges)
     tok = build_tokenizer(ranks, config.pat_str)
-    save_tokenizer(tok, out, DEFAULT_CHAT_TEMPLATE)
+    save_tokenizer(tok, out, COMPACT_CHAT_TEMPLATE)   # the harness we train in
     heldout = [t for _, t in read_texts([(n, p) for n, p in files
                                          if is_heldout(n, config.heldout_percent)], 1_000_000)]
     n_bytes = sum(len(t.encode("utf-8")) for t in heldout)
