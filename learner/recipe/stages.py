@@ -179,6 +179,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
 
 def _eval(out: Path, config: RecipeConfig, log) -> dict:
     """Held-out pass@1 of the SFT and GRPO checkpoints, side by side."""
+    from dataclasses import replace
     result = {}
     for name in ("sft", "grpo"):
         model = out / name / "model"
@@ -186,6 +187,12 @@ def _eval(out: Path, config: RecipeConfig, log) -> dict:
             m = evaluate_model(model, config.eval)
             log({"model": name, "pass_at_1": m["pass_at_1"], "n": m["n"]})
             result[name] = m
+    window = config.eval.summary_window
+    if window and result:
+        name = list(result)[-1]
+        m = evaluate_model(out / name / "model", replace(config.eval, context_window=window))
+        log({"model": name, "context_window": window, "pass_at_1": m["pass_at_1"], "n": m["n"]})
+        result[f"{name}_window_{window}"] = m
     return result
 
 
