@@ -150,7 +150,9 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
-                                   seed=g.seed))
+                                   seed=g.seed,
+                                   # on a CPU: one core trains while one rolls out
+                                   torch_threads=1 if device == "cpu" else 0))
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def factory():
