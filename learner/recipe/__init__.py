@@ -48,7 +48,7 @@ def default_recipe() -> RecipeConfig:
                            head_on_mask=True),
             tasks=3000, workers=2, batch_tokens=16384, small_window=(1400, 2048)),
         grpo=GRPOStageConfig(steps=200, group_size=8, groups_per_step=2, lr=1e-5,
-                             max_new_tokens=320, max_steps=12, workers=1, max_seconds=1200),
+                             max_new_tokens=320, max_steps=12, workers=1, max_seconds=900),
         eval=EvalConfig(n=200, processes=2, summary_window=2048))
 
 
