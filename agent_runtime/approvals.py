@@ -141,7 +141,7 @@ class ApprovalGate:
             answered.set()
 
         self.ask(request, reply)
-        while not answered.wait(0.05):
+        while not answered.wait(0.05) or self.cancel_event.is_set():
             if self.cancel_event.is_set():
                 raise ToolError("Not run: the user cancelled the session before approving "
                                 "this call.")

@@ -32,3 +32,58 @@ def subprocess_env(home: Path, **extra: str) -> dict[str, str]:
 
 def apprentice_command() -> list[str]:
     return [sys.executable, "-m", "agent_runtime.cli"]
+
+
+class RecordingClient:
+    """An ACP client (for `acp.spawn_agent_process`) that records every session update,
+    answers permission requests from a list (`allow_once`, `reject_once`, ... or `cancel`:
+    the test cancels the turn, then answers `cancelled` as the protocol says), and serves
+    fs/* from an in-memory set of editor buffers when `buffers` is given."""
+
+    def __init__(self, answers: list[str] | None = None, buffers: dict | None = None):
+        self.updates: list = []
+        self.permission_requests: list = []
+        self.answers = list(answers or [])
+        self.buffers = buffers
+        self.writes: list[tuple[str, str]] = []
+        self.conn = None
+
+    def capabilities(self):
+        from acp.schema import ClientCapabilities, FileSystemCapabilities
+        offered = self.buffers is not None
+        return ClientCapabilities(fs=FileSystemCapabilities(read_text_file=offered,
+                                                            write_text_file=offered))
+
+    async def session_update(self, session_id, update, **kwargs):
+        self.updates.append(update)
+
+    async def request_permission(self, session_id, tool_call, options, **kwargs):
+        from acp import RequestPermissionResponse
+        from acp.schema import AllowedOutcome, DeniedOutcome
+        self.permission_requests.append(tool_call)
+        answer = self.answers.pop(0) if self.answers else "reject_once"
+        if answer == "cancel":
+            await self.conn.cancel(session_id=session_id)
+            return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
+        option = next(o for o in options if o.kind == answer)
+        return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected",
+                                                                option_id=option.option_id))
+
+    async def read_text_file(self, session_id, path, line=None, limit=None, **kwargs):
+        from acp import ReadTextFileResponse
+        from acp.exceptions import RequestError
+        if path not in self.buffers:
+            raise RequestError.resource_not_found(path)
+        return ReadTextFileResponse(content=self.buffers[path])
+
+    async def write_text_file(self, session_id, path, content, **kwargs):
+        from acp import WriteTextFileResponse
+        self.buffers[path] = content
+        self.writes.append((path, content))
+        return WriteTextFileResponse()
+
+    def kinds(self) -> list[str]:
+        return [u.session_update for u in self.updates]
+
+    def text(self, kind: str = "agent_message_chunk") -> str:
+        return "".join(u.content.text for u in self.updates if u.session_update == kind)
