@@ -22,8 +22,11 @@ APPROVAL_MODES = ("ask", "auto-edit", "full-auto")    # agent_runtime.approvals.
 @click.option("--approval", type=click.Choice(APPROVAL_MODES), default="ask", show_default=True,
               help="Initial session mode: ask (before commands and file changes), auto-edit "
                    "(file changes run, commands ask) or full-auto; the editor can switch it.")
+@click.option("--max-message-bytes", type=click.IntRange(1024), default=16 * 2**20,
+              show_default=True, help="Larger incoming messages are answered with an error "
+                                      "and discarded.")
 def acp_command(model: str, policy_spec: str | None, max_steps: int,
-                context_window: int | None, approval: str) -> None:
+                context_window: int | None, approval: str, max_message_bytes: int) -> None:
     """Serve the Agent Client Protocol on stdio, for editors (Zed, Neovim, JetBrains...)."""
     import asyncio
     import logging
@@ -32,7 +35,8 @@ def acp_command(model: str, policy_spec: str | None, max_steps: int,
     from plugins.acp.server import AcpConfig
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
                         format="apprentice acp: %(levelname)s %(message)s")
-    config = AcpConfig(policy_spec or model, max_steps, approval, context_window)
+    config = AcpConfig(policy_spec or model, max_steps, approval, context_window,
+                       max_message_bytes)
     asyncio.run(serve(config))
 
 
@@ -45,7 +49,7 @@ async def serve(config) -> None:
     from plugins.acp.wire import stdio_transport
     with SessionStore() as store:
         agent = ApprenticeAgent(config, store)
-        transport = await stdio_transport()
+        transport = await stdio_transport(config.max_message_bytes)
         connection = AgentSideConnection(agent, transport, listening=False)
         try:
             await connection.listen()

@@ -52,6 +52,7 @@ class AcpConfig:
     max_steps: int = 50                        # model calls per prompt before it stops
     approval: str = "ask"                      # the initial session mode (an approval mode)
     context_window: int | None = None          # override of the policy's window (tokens)
+    max_message_bytes: int = 16 * 2**20        # larger incoming messages get an error, unread
 
 
 class ApprenticeAgent:
