@@ -61,3 +61,10 @@ async def serve(config) -> None:
 @hookimpl
 def register_commands(cli: click.Group) -> None:
     cli.add_command(acp_command)
+
+
+@hookimpl
+def register_feedback_sources(register) -> None:
+    from agent_runtime.approvals import REJECTED_SOURCE
+    register(REJECTED_SOURCE, "the user rejected a tool call the agent proposed (a permission "
+                              "request in the editor): a -1 on the turn that proposed it")
