@@ -25,7 +25,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Input, Static
 
 from tui import runner
-from tui.approvals import MODES, ApprovalGate, ApprovalStore, Request, gated
+from agent_runtime.approvals import MODES, ApprovalGate, ApprovalStore, Request, gated
 from tui.screens import ApprovalScreen, FeedbackScreen, SessionsScreen
 from tui.widgets import AssistantMessage, ChatLog
 
