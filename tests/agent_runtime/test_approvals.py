@@ -9,7 +9,6 @@ from agent_runtime.approvals import ALWAYS, NO, YES, ApprovalGate, ApprovalStore
 from agent_runtime.tools.base import ToolContext, ToolError, ToolResult
 
 
-
 @pytest.fixture
 def workspace(tmp_path):
     ws = tmp_path / "calc"
