@@ -1,7 +1,8 @@
 """`apprentice acp` driven by the official ACP TypeScript SDK under node (a real client).
 
-`acp_client/drive_v1.mjs` runs `ClientSideConnection` against `apprentice acp` and reports
-what it saw; each test checks one property of that report. The node packages come from
+`acp_client/drive_v1.mjs` runs `ClientSideConnection` (SDK 1.x) against `apprentice acp`,
+`drive_v2.mjs` the client app API of the current SDK (2.x); each reports what it saw and each
+test checks one property of a report. The node packages come from
 `.ci/run` (`npm ci` in tests/plugins/acp_client); without node or them the tests skip,
 except under CI (`CI=true`), where they must run.
 """
@@ -28,7 +29,8 @@ def _node() -> str:
     missing = None
     if node is None:
         missing = "node is not installed"
-    elif not (CLIENT / "node_modules" / "acp-sdk-1").is_dir():
+    elif not all((CLIENT / "node_modules" / p).is_dir()
+                 for p in ("acp-sdk-1", "@agentclientprotocol/sdk")):
         missing = f"the ACP TypeScript SDK is not installed (run `npm ci` in {CLIENT})"
     if missing:
         if os.environ.get("CI") == "true":
@@ -143,3 +145,32 @@ def test_a_small_checkpoint_answers_a_prompt(tmp_path):
     report = _drive("model", tmp_path, tmp_path / "home",
                     ["--model", str(checkpoint), "--max-steps", "1"])
     assert report["prompt"]["stopReason"] in ("end_turn", "max_turn_requests")
+
+
+@pytest.fixture(scope="module")
+def v2_run(tmp_path_factory):
+    """The same first turn with the current SDK line (2.x, the client app API), which checks
+    every message against the protocol schema as it parses it."""
+    tmp = tmp_path_factory.mktemp("acp_node_v2")
+    workspace = tmp / "ws"
+    workspace.mkdir()
+    (workspace / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    script = write_script(tmp / "script.json", [
+        call("edit_file", path="calc.py", old="a - b", new="a + b"), call("finish", summary="ok")])
+    node = _node()
+    command = [node, str(CLIENT / "drive_v2.mjs"), str(workspace), "--", *apprentice_command(),
+               "acp", "--policy", f"replay:{script}"]
+    done = subprocess.run(command, cwd=CLIENT, env=subprocess_env(tmp / "home"),
+                          capture_output=True, text=True, timeout=300)
+    report = json.loads(done.stdout or "{}")
+    assert done.returncode == 0 and "error" not in report, report.get("error") or done.stderr
+    return report, workspace
+
+
+def test_the_current_sdk_completes_a_turn_with_end_turn(v2_run):
+    assert v2_run[0]["prompt"]["stopReason"] == "end_turn"
+
+
+def test_the_current_sdk_answers_the_permission_and_the_edit_lands(v2_run):
+    report, workspace = v2_run
+    assert len(report["permissions"]) == 1 and "a + b" in (workspace / "calc.py").read_text()
