@@ -7,7 +7,9 @@ Every run is an ordinary session in the store (`apprentice sessions list`), rate
 
 Nobody is there to approve calls, so tools run as in `apprentice run`: commands inside the
 bubblewrap sandbox, edits confined to the workspace. Changes made by commands are not in the
-returned diff (only those of the file tools are). This module does not stream progress.
+returned diff (only those of the file tools are). A line on stdin that is not a JSON-RPC
+message gets a JSON-RPC error (the SDK alone drops it silently). This module does not stream
+progress.
 """
 
 from __future__ import annotations
@@ -125,8 +127,41 @@ def make_server(config: McpServeConfig) -> Any:
 def mcp_command(model: str, policy_spec: str | None, max_steps: int,
                 workspace_root: Path) -> None:
     """Serve apprentice as an MCP server on stdio (a `run_task` tool for other agents)."""
+    import anyio
     config = McpServeConfig(policy_spec or model, max_steps, workspace_root)
-    make_server(config).run("stdio")
+    anyio.run(serve_stdio, make_server(config))
+
+
+async def serve_stdio(server: Any) -> None:
+    """`server` on stdin/stdout, as `MCPServer.run("stdio")` does, except that a line that is
+    not a JSON-RPC message gets a JSON-RPC error answer (-32700 for bad JSON, -32600 for a
+    wrong shape) instead of being dropped silently; then serving goes on."""
+    import anyio
+    import mcp_types as types
+    from mcp.server.stdio import stdio_server
+    from mcp.shared.message import SessionMessage
+
+    lowlevel = server._lowlevel_server          # what MCPServer.run_stdio_async serves too
+    async with stdio_server() as (read_stream, write_stream):
+        checked_writer, checked = anyio.create_memory_object_stream[Any](0)
+
+        async def check() -> None:
+            async with checked_writer:
+                async for item in read_stream:
+                    if not isinstance(item, Exception):
+                        await checked_writer.send(item)
+                        continue
+                    bad_json = "json_invalid" in str(item) or "Invalid JSON" in str(item)
+                    code = types.PARSE_ERROR if bad_json else types.INVALID_REQUEST
+                    error = types.ErrorData(code=code, message="Parse error" if bad_json
+                                            else "Invalid request", data=str(item)[:500])
+                    await write_stream.send(SessionMessage(types.JSONRPCError(
+                        jsonrpc="2.0", id=None, error=error)))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(check)
+            await lowlevel.run(checked, write_stream, lowlevel.create_initialization_options())
+            tasks.cancel_scope.cancel()
 
 
 @hookimpl

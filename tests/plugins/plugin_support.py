@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -87,3 +90,38 @@ class RecordingClient:
 
     def text(self, kind: str = "agent_message_chunk") -> str:
         return "".join(u.content.text for u in self.updates if u.session_update == kind)
+
+
+class LinePeer:
+    """A JSON-lines server process on pipes (`apprentice acp`, `apprentice mcp`), spoken to
+    one line at a time: `send` writes a line and returns the next message it answers."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.put(json.loads(line))
+
+    def send(self, raw: bytes | str) -> dict:
+        self.process.stdin.write(raw.encode() if isinstance(raw, str) else raw)
+        self.process.stdin.write(b"\n")
+        self.process.stdin.flush()
+        return self.lines.get(timeout=60)
+
+    def request(self, request_id, method, params) -> dict:
+        return self.send(json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method,
+                                     "params": params}))
+
+    def notify(self, method, params=None) -> None:
+        self.process.stdin.write(json.dumps({"jsonrpc": "2.0", "method": method,
+                                             **({"params": params} if params else {})}).encode()
+                                 + b"\n")
+        self.process.stdin.flush()
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=30)

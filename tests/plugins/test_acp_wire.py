@@ -3,51 +3,25 @@
 from __future__ import annotations
 
 import json
-import queue
-import subprocess
-import threading
 
 import pytest
-from plugin_support import apprentice_command, call, subprocess_env, write_script
+from plugin_support import LinePeer, apprentice_command, call, subprocess_env, write_script
 
 LIMIT = 4096
 
 
-class RawAgent:
+def raw_agent(tmp_path) -> LinePeer:
     """`apprentice acp` on pipes, spoken to line by line."""
-
-    def __init__(self, tmp_path):
-        script = write_script(tmp_path / "script.json", [call("finish", summary="done")])
-        self.process = subprocess.Popen(
-            apprentice_command() + ["acp", "--policy", f"replay:{script}",
-                                    "--max-message-bytes", str(LIMIT)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=subprocess_env(tmp_path / "home"))
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.lines.put(json.loads(line))
-
-    def send(self, raw: bytes | str) -> dict:
-        self.process.stdin.write(raw.encode() if isinstance(raw, str) else raw)
-        self.process.stdin.write(b"\n")
-        self.process.stdin.flush()
-        return self.lines.get(timeout=60)
-
-    def request(self, request_id, method, params) -> dict:
-        return self.send(json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method,
-                                     "params": params}))
-
-    def close(self):
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
+    script = write_script(tmp_path / "script.json", [call("finish", summary="done")])
+    return LinePeer(apprentice_command() + ["acp", "--policy", f"replay:{script}",
+                                            "--max-message-bytes", str(LIMIT)],
+                    subprocess_env(tmp_path / "home"))
 
 
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory):
     """Every kind of bad input in one session, then a valid initialize."""
-    agent = RawAgent(tmp_path_factory.mktemp("wire"))
+    agent = raw_agent(tmp_path_factory.mktemp("wire"))
     try:
         out = {
             "not json": agent.send("{this is not json"),

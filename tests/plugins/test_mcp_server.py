@@ -6,7 +6,7 @@ import asyncio
 import json
 
 import pytest
-from plugin_support import apprentice_command, call, subprocess_env, write_script
+from plugin_support import LinePeer, apprentice_command, call, subprocess_env, write_script
 
 from agent_runtime.store import SessionStore
 
@@ -78,3 +78,46 @@ def test_a_workspace_outside_the_root_is_a_tool_error_and_the_server_keeps_servi
     bad, tools = asyncio.run(_session(params, action))
     assert bad.is_error and "outside the served root" in json.dumps(bad.model_dump(mode="json"))
     assert tools.tools
+
+
+@pytest.fixture(scope="module")
+def raw_answers(tmp_path_factory):
+    """`apprentice mcp` on pipes: bad lines, then a handshake and a tool listing."""
+    tmp = tmp_path_factory.mktemp("mcp_wire")
+    script = write_script(tmp / "script.json", [call("finish", summary="done")])
+    peer = LinePeer(apprentice_command() + ["mcp", "--policy", f"replay:{script}",
+                                            "--workspace-root", str(tmp)],
+                    subprocess_env(tmp / "home"))
+    try:
+        out = {"not json": peer.send("{not json"), "array": peer.send("[1, 2]")}
+        out["initialize"] = peer.request(1, "initialize", {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"}})
+        peer.notify("notifications/initialized")
+        out["unknown tool"] = peer.request(2, "tools/call", {"name": "nope", "arguments": {}})
+        out["bad arguments"] = peer.request(3, "tools/call", {"name": "run_task",
+                                                              "arguments": {"task": 5}})
+        out["list"] = peer.request(4, "tools/list", {})
+    finally:
+        peer.close()
+    return out
+
+
+def test_malformed_json_to_the_mcp_server_is_a_parse_error(raw_answers):
+    assert raw_answers["not json"]["error"]["code"] == -32700
+
+
+def test_a_non_object_to_the_mcp_server_is_an_invalid_request(raw_answers):
+    assert raw_answers["array"]["error"]["code"] == -32600
+
+
+def test_an_unknown_tool_is_a_tool_error(raw_answers):
+    assert raw_answers["unknown tool"]["result"]["isError"] is True
+
+
+def test_arguments_of_the_wrong_type_are_a_tool_error(raw_answers):
+    assert raw_answers["bad arguments"]["result"]["isError"] is True
+
+
+def test_the_mcp_server_keeps_serving_after_bad_input(raw_answers):
+    assert [t["name"] for t in raw_answers["list"]["result"]["tools"]] == ["run_task"]
