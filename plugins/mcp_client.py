@@ -87,7 +87,8 @@ class McpHub:
 
     def __init__(self):
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # guards the loop's creation
+        self._connecting = threading.Lock()    # one start at a time: no server started twice
         self._connections: dict[str, _Connection] = {}
 
     def _run(self, coro: Any, timeout: float) -> Any:
@@ -108,12 +109,14 @@ class McpHub:
         a warning when it cannot start or list them within its startup timeout."""
         key = json.dumps([config.name, config.command, config.args, config.env,
                           config.cwd or str(workspace or "")])
-        connection = self._connections.get(key)
+        connection = None
         try:
-            if connection is None or connection.dead:
-                connection = _Connection(config, workspace)
-                self._connections[key] = connection
-                self._run(connection.start(), config.startup_timeout)
+            with self._connecting:
+                connection = self._connections.get(key)
+                if connection is None or connection.dead:
+                    connection = _Connection(config, workspace)
+                    self._connections[key] = connection
+                    self._run(connection.start(), config.startup_timeout)
             listed = self._run(connection.list_tools(), config.startup_timeout)
         except Exception as exc:                # a missing command, a crash, a hang
             reason = "timed out" if isinstance(exc, FutureTimeout) else f"{type(exc).__name__}: {exc}"

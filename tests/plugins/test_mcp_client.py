@@ -78,6 +78,14 @@ def test_a_server_that_cannot_start_gives_no_tools_and_the_agent_runs(home, tmp_
     assert result.ok and not [t for t in plugin_tools(tmp_path) if t.name.startswith("mcp__")]
 
 
+def test_a_server_that_hangs_at_start_gives_no_tools_and_the_agent_runs(home, tmp_path):
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {"mute": {
+        "command": sys.executable, "args": ["-c", "import time; time.sleep(3600)"],
+        "startup_timeout_sec": 1}}}))
+    agent, result, _ = _run(home, tmp_path, [call("finish", summary="done")])
+    assert result.ok and not [n for n in agent.tools if n.startswith("mcp__mute")]
+
+
 def test_a_broken_mcp_json_entry_is_skipped(home, tmp_path):
     (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {"bad": {"args": []}}}))
     assert [t.name for t in plugin_tools(tmp_path) if t.name.startswith("mcp__")] == []
