@@ -140,9 +140,9 @@ class ApprenticeAgent:
         text = prompt_text(prompt)
         if not text.strip():
             raise RequestError.invalid_params({"details": "the prompt has no text"})
-        command = text.strip().split(maxsplit=1)
-        if command[0].lstrip("/") in RATE_COMMANDS and command[0].startswith("/"):
-            await self._rate(session, command[0][1:], command[1] if len(command) > 1 else "")
+        word, _, rest = text.strip().partition(" ")
+        if word[1:] in RATE_COMMANDS and word.startswith("/"):
+            await self._rate(session, word[1:], rest.strip())
             return PromptResponse(stop_reason="end_turn")
         if not session.running.acquire(blocking=False):
             raise RequestError.invalid_request(
@@ -169,11 +169,12 @@ class ApprenticeAgent:
         if message_id is None:
             await self._say(session, "Nothing to rate yet: no agent turn in this session.")
             return
-        words = rest.split(maxsplit=1)
-        reason = words[0] if words and words[0] in FEEDBACK_REASONS else None
-        comment = (words[1] if reason and len(words) > 1 else rest if not reason else "") or None
+        reason, _, comment = rest.partition(" ")
+        if reason not in FEEDBACK_REASONS:
+            reason, comment = None, rest
         self.store.add_feedback(RATE_COMMANDS[command], session_id=session.id,
-                                message_id=message_id, reason=reason, comment=comment)
+                                message_id=message_id, reason=reason,
+                                comment=comment.strip() or None)
         await self._say(session, f"Recorded {'👍' if command == 'good' else '👎'} for the last "
                                  "turn. Thank you: apprentice learns from it.")
 
