@@ -25,8 +25,14 @@ APPROVAL_MODES = ("ask", "auto-edit", "full-auto")    # agent_runtime.approvals.
 @click.option("--max-message-bytes", type=click.IntRange(1024), default=16 * 2**20,
               show_default=True, help="Larger incoming messages are answered with an error "
                                       "and discarded.")
+@click.option("--connect", metavar="URL", envvar="APPRENTICE_CONNECT",
+              help="Follow a version server (`apprentice serve`): new policy versions are "
+                   "applied between model calls.")
+@click.option("--token", envvar="APPRENTICE_TOKEN", default="",
+              help="Bearer token for --connect (or set $APPRENTICE_TOKEN).")
 def acp_command(model: str, policy_spec: str | None, max_steps: int,
-                context_window: int | None, approval: str, max_message_bytes: int) -> None:
+                context_window: int | None, approval: str, max_message_bytes: int,
+                connect: str | None, token: str) -> None:
     """Serve the Agent Client Protocol on stdio, for editors (Zed, Neovim, JetBrains...)."""
     import asyncio
     import logging
@@ -36,7 +42,7 @@ def acp_command(model: str, policy_spec: str | None, max_steps: int,
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
                         format="apprentice acp: %(levelname)s %(message)s")
     config = AcpConfig(policy_spec or model, max_steps, approval, context_window,
-                       max_message_bytes)
+                       max_message_bytes, connect, token)
     asyncio.run(serve(config))
 
 

@@ -53,6 +53,8 @@ class AcpConfig:
     approval: str = "ask"                      # the initial session mode (an approval mode)
     context_window: int | None = None          # override of the policy's window (tokens)
     max_message_bytes: int = 16 * 2**20        # larger incoming messages get an error, unread
+    connect: str | None = None                 # version server to follow (new weights)
+    token: str = ""                            # its bearer token
 
 
 class ApprenticeAgent:
@@ -78,6 +80,10 @@ class ApprenticeAgent:
                     {"details": f"cannot load policy {self.config.policy_spec!r}: {exc}"})
             if self.config.context_window:
                 self._policy.context_window = self.config.context_window
+            if self.config.connect:
+                from agent_runtime.subscriber import follow
+                self._policy, _ = follow(self._policy, self.config.connect, self.config.token,
+                                         self.store)
         return self._policy
 
     # -- lifecycle -------------------------------------------------------------------------
