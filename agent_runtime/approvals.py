@@ -33,6 +33,9 @@ EDIT_TOOLS = frozenset({"write_file", "edit_file"})
 COMMAND_TOOLS = frozenset({"run_command"})
 YES, ALWAYS, NO = "yes", "always", "no"
 REJECTED_SOURCE = "approval_rejected"          # feedback source: the user declined a tool call
+LISTED_RULES = {"command": "commands",          # rule kind -> its list in approvals.json
+                "tool": "tools",
+                "mcp_server": "mcp_servers"}    # a workspace .mcp.json server the user trusts
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Request:
 
 class ApprovalStore:
     """`approvals.json`: {resolved workspace path: {"edits": bool, "commands": [line, ...],
-    "tools": [name, ...]}}."""
+    "tools": [name, ...], "mcp_servers": [name@fingerprint, ...]}}."""
 
     def __init__(self, home: str | Path):
         self.path = Path(home) / "approvals.json"
@@ -69,8 +72,8 @@ class ApprovalStore:
 
     def rules(self, workspace: str | Path) -> set[str]:
         entry = self._read().get(str(Path(workspace).resolve())) or {}
-        rules = {f"command:{c}" for c in entry.get("commands") or [] if isinstance(c, str)}
-        rules |= {f"tool:{t}" for t in entry.get("tools") or [] if isinstance(t, str)}
+        rules = {f"{kind}:{value}" for kind, key in LISTED_RULES.items()
+                 for value in entry.get(key) or [] if isinstance(value, str)}
         if entry.get("edits"):
             rules.add("edits")
         return rules
@@ -83,8 +86,8 @@ class ApprovalStore:
             if rule == "edits":
                 entry["edits"] = True
             else:
-                key, _, value = rule.partition(":")
-                listed = entry.setdefault({"command": "commands", "tool": "tools"}[key], [])
+                kind, _, value = rule.partition(":")
+                listed = entry.setdefault(LISTED_RULES[kind], [])
                 if value not in listed:
                     listed.append(value)
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@
 Servers come from `$APPRENTICE_HOME/config.toml` (`[mcp_servers.NAME]` with `command`, `args`,
 `env`, as Codex writes them), from a workspace's `.mcp.json` (`{"mcpServers": {NAME: {...}}}`,
 as Claude Code writes it; it wins over config.toml for the same name), and from an editor's
-`mcpServers` in ACP's `session/new` (`plugins.acp`). Each server is a subprocess over stdio,
+`mcpServers` in ACP's `session/new` (`plugins.acp`). A repository's `.mcp.json` is not the
+user's own: its servers start only once the user trusts them (`apprentice trust-mcp`, kept
+in approvals.json by name and fingerprint, so a changed command needs trusting again). Each server is a subprocess over stdio,
 started when an agent is built; its tools are named `mcp__SERVER__TOOL` and reach the policy's
 tool list like the built-ins.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import json
 import logging
 import threading
@@ -27,6 +30,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import click
 
 from agent_runtime.hooks import hookimpl
 from agent_runtime.tools.base import ToolContext, ToolError, ToolResult
@@ -44,6 +49,12 @@ class McpServerConfig:
     cwd: str | None = None                     # working directory (default: the workspace)
     startup_timeout: float = 20.0              # seconds to start and list tools, else skipped
     tool_timeout: float = 60.0                 # seconds a call may take, else a tool error
+    from_workspace: bool = False               # declared by the workspace's .mcp.json
+
+    def trust_rule(self) -> str:
+        """The approvals.json rule that trusts this exact server (name, command, args, env)."""
+        spec = json.dumps([self.command, self.args, self.env, self.cwd], sort_keys=True)
+        return f"mcp_server:{self.name}@{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
 
     @classmethod
     def from_dict(cls, name: str, entry: Any, where: str) -> "McpServerConfig":
@@ -77,6 +88,7 @@ def load_configs(home: Path, workspace: Path | None) -> list[McpServerConfig]:
                 raise ValueError(f"{path}: `{key}` must be a table of servers")
             for name, entry in table.items():
                 servers[name] = McpServerConfig.from_dict(name, entry, str(path))
+                servers[name].from_workspace = path.name == ".mcp.json"
         except (ValueError, UnicodeDecodeError, AttributeError) as exc:
             log.warning("MCP servers in %s ignored: %s", path, exc)
     return list(servers.values())
@@ -272,10 +284,53 @@ def hub() -> McpHub:
     return _hub
 
 
+def untrusted(configs: list[McpServerConfig], home: Path,
+              workspace: Path | None) -> list[McpServerConfig]:
+    """The workspace-declared servers among `configs` that the user has not trusted."""
+    from agent_runtime.approvals import ApprovalStore
+    trusted = ApprovalStore(home).rules(workspace) if workspace is not None else set()
+    return [c for c in configs if c.from_workspace and c.trust_rule() not in trusted]
+
+
 @hookimpl
 def register_tools(register: Callable[[Any], None], workspace: Path | None) -> None:
-    """The tools of the servers in config.toml and the workspace's .mcp.json."""
+    """The tools of the servers in config.toml and the trusted ones of .mcp.json."""
     from agent_runtime.store import default_home
-    for config in load_configs(default_home(), workspace):
-        for tool in hub().tools(config, workspace):
-            register(tool)
+    configs = load_configs(default_home(), workspace)
+    skipped = untrusted(configs, default_home(), workspace)
+    for config in skipped:
+        log.warning("MCP server %s of %s/.mcp.json is not started: it is not trusted yet "
+                    "(`apprentice trust-mcp -w %s` after checking its command)",
+                    config.name, workspace, workspace)
+    for config in configs:
+        if config not in skipped:
+            for tool in hub().tools(config, workspace):
+                register(tool)
+
+
+@click.command("trust-mcp")
+@click.option("-w", "--workspace", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=".", show_default=True, help="The workspace whose .mcp.json to trust.")
+@click.option("--yes", is_flag=True, help="Trust without asking.")
+def trust_mcp_command(workspace: Path, yes: bool) -> None:
+    """Trust the MCP servers of a workspace's .mcp.json, so apprentice starts them."""
+    from agent_runtime.approvals import ApprovalStore
+    from agent_runtime.store import default_home
+    workspace = workspace.resolve()
+    waiting = untrusted(load_configs(default_home(), workspace), default_home(), workspace)
+    if not waiting:
+        click.echo(f"no untrusted MCP servers in {workspace / '.mcp.json'}")
+        return
+    for config in waiting:
+        click.echo(f"{config.name}: {' '.join([config.command, *config.args])}"
+                   + (f"  (env: {', '.join(sorted(config.env))})" if config.env else ""))
+    if yes or click.confirm("Start these servers (as you, unsandboxed) when apprentice works "
+                            "in this workspace?"):
+        for config in waiting:
+            ApprovalStore(default_home()).allow(workspace, config.trust_rule())
+        click.echo(f"trusted {len(waiting)} server(s)")
+
+
+@hookimpl
+def register_commands(cli: click.Group) -> None:
+    cli.add_command(trust_mcp_command)

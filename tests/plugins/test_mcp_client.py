@@ -24,6 +24,18 @@ def _config_toml(home, tool_timeout=30, command=sys.executable):
         f'args = [{json.dumps(str(MCP_TEST_SERVER))}]\ntool_timeout_sec = {tool_timeout}\n')
 
 
+def _mcp_json(workspace, name, command=sys.executable, args=(str(MCP_TEST_SERVER),), **extra):
+    (workspace / ".mcp.json").write_text(json.dumps({"mcpServers": {name: {
+        "command": command, "args": list(args), **extra}}}))
+
+
+def _trust(workspace, answer="y"):
+    from click.testing import CliRunner
+
+    from agent_runtime.cli import main
+    return CliRunner().invoke(main, ["trust-mcp", "-w", str(workspace)], input=answer + "\n")
+
+
 def _run(home, workspace, turns, tools=None):
     with SessionStore(home) as store:
         agent = Agent(ReplayPolicy(turns), tools=tools, store=store, workspace=workspace)
@@ -39,11 +51,30 @@ def test_a_config_toml_server_tool_is_called_by_the_agent(home, tmp_path):
     assert tools[0]["content"] == "hello from mcp"
 
 
-def test_a_workspace_mcp_json_server_reaches_the_policy_tool_list(home, tmp_path):
-    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {"ws": {
-        "command": sys.executable, "args": [str(MCP_TEST_SERVER)]}}}))
+def test_a_trusted_workspace_mcp_json_server_reaches_the_policy_tool_list(home, tmp_path):
+    _mcp_json(tmp_path, "ws")
+    _trust(tmp_path)
     agent, _, _ = _run(home, tmp_path, [call("finish", summary="done")])
     assert "mcp__ws__add" in [s["function"]["name"] for s in agent.schemas]
+
+
+def test_an_untrusted_workspace_mcp_json_server_is_not_started(home, tmp_path):
+    _mcp_json(tmp_path, "ws")
+    assert not [t.name for t in plugin_tools(tmp_path) if t.name.startswith("mcp__ws")]
+
+
+def test_declining_trust_keeps_the_server_stopped(home, tmp_path):
+    _mcp_json(tmp_path, "ws")
+    _trust(tmp_path, answer="n")
+    assert not [t.name for t in plugin_tools(tmp_path) if t.name.startswith("mcp__ws")]
+
+
+def test_a_changed_command_needs_trusting_again(home, tmp_path):
+    from plugins.mcp_client import load_configs, untrusted
+    _mcp_json(tmp_path, "ws")
+    _trust(tmp_path)
+    _mcp_json(tmp_path, "ws", args=[str(MCP_TEST_SERVER), "--other"])
+    assert [c.name for c in untrusted(load_configs(home, tmp_path), home, tmp_path)] == ["ws"]
 
 
 def test_a_read_only_mcp_tool_does_not_mutate(home, tmp_path):
@@ -79,9 +110,9 @@ def test_a_server_that_cannot_start_gives_no_tools_and_the_agent_runs(home, tmp_
 
 
 def test_a_server_that_hangs_at_start_gives_no_tools_and_the_agent_runs(home, tmp_path):
-    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {"mute": {
-        "command": sys.executable, "args": ["-c", "import time; time.sleep(3600)"],
-        "startup_timeout_sec": 1}}}))
+    _mcp_json(tmp_path, "mute", args=["-c", "import time; time.sleep(3600)"],
+              startup_timeout_sec=1)
+    _trust(tmp_path)
     agent, result, _ = _run(home, tmp_path, [call("finish", summary="done")])
     assert result.ok and not [n for n in agent.tools if n.startswith("mcp__mute")]
 
