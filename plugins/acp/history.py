@@ -3,7 +3,8 @@
 What the user saw live comes back in order: their prompts (the task, later messages), the
 agent's visible text, each tool call with its final status and result (edits as the stored
 unified diff, commands with their output), and `finish`'s summary. Nudges, summary requests
-and summaries (the agent's own bookkeeping) are left out. Nothing is written to the store.
+and summaries (the agent's own bookkeeping) are left out, and so is the copy of the latest
+prompt that a new segment carries over. Nothing is written to the store.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ def history_updates(store: Any, session_id: str) -> list[Any]:
     for row in store.tool_calls(session_id):
         calls.setdefault(row["message_id"], []).append(row)
     updates: list[Any] = []
+    last_user, segment = None, 0
     for m in store.messages(session_id):
         kind = (m["meta"] or {}).get("kind")
-        if m["role"] == "system" or kind in HIDDEN_KINDS:
-            continue
+        carried = m["segment"] != segment and m["role"] == "user" and m["content"] == last_user
+        segment = m["segment"]
+        if m["role"] == "system" or kind in HIDDEN_KINDS or carried:
+            continue                           # a summary carries the latest prompt over: once
         if m["role"] == "user":
+            last_user = m["content"]
             updates.append(helpers.update_user_message_text(m["content"]))
         elif m["role"] == "assistant":
             text = visible_text(m["content"] or "")
