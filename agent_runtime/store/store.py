@@ -170,9 +170,10 @@ class SessionStore:
     # -- writes (each commits before returning) ----------------------------------------------
 
     def create_session(self, task: str, workspace: str, model: str, policy_version: int = 0,
-                       meta: dict | None = None) -> str:
-        """A new "running" session with segment 0; returns its id (uuid4 hex)."""
-        session_id = uuid.uuid4().hex
+                       meta: dict | None = None, session_id: str | None = None) -> str:
+        """A new "running" session with segment 0; returns its id (`session_id`, or a new
+        uuid4 hex)."""
+        session_id = session_id or uuid.uuid4().hex
         now = _now()
         with self.transaction():
             self.db.execute(
