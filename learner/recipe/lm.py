@@ -41,8 +41,10 @@ class LMConfig:
     checkpoint_every: int = 200     # steps between resumable checkpoints (and at the end)
     log_every: int = 20             # steps between metric rows
     max_seconds: float = 0.0        # stop early after this wall time (0 = no limit)
-    fit_to_time: bool = False       # with max_seconds: after 10 and 50 steps, shorten `steps` (and
-                                    # the schedule) to what fits; the plan is saved for resuming
+    fit_to_time: bool = False       # with max_seconds: after 10 steps and every 50 after that, fit
+                                    # `steps` to the time left at the speed of the last 50 steps (a
+                                    # stage slowed by other work at its start still uses its budget);
+                                    # the plan is saved for resuming
     seed: int = 0                   # torch seed of initialization-independent randomness
     head_on_mask: bool = False      # output head only where the loss mask is set (SFT: the
                                     # completions, a small share of each sequence)
@@ -123,6 +125,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") \
         else torch.autocast("cpu", enabled=False)
     t0, tokens, seen, step = time.time(), 0, 0, start
+    marks = [(start, t0)]                  # (step, time) where the plan was last fitted
     window: list[float] = []
     try:
         while step < total:
@@ -147,9 +150,13 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
             seen += ids.numel()
             window.append(loss.item())
             step = done = step + 1
-            if c.fit_to_time and c.max_seconds and done - start in (10, 50):
-                per_step = (time.time() - t0) / (done - start)
-                total = min(c.steps, done + int((c.max_seconds - (time.time() - t0)) / per_step))
+            if c.fit_to_time and c.max_seconds and (done - start == 10 or
+                                                    (done - start) % 50 == 0):
+                now = time.time()
+                marks.append((done, now))
+                (s0, m0), (s1, m1) = marks[-2], marks[-1]
+                per_step = (m1 - m0) / (s1 - s0)        # the last stretch: today's speed
+                total = min(c.steps, done + int((c.max_seconds - (now - t0)) / per_step))
                 log({"planned_steps": total, "seconds_per_step": per_step})
             if done % c.log_every == 0 or done == total:
                 row = {"step": done, "loss": sum(window) / len(window), "aux": aux.item(),
