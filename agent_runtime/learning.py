@@ -113,7 +113,7 @@ RATED_SAMPLES_SQL = f"""
 
 def waiting_samples(store: Any) -> int:
     """Rated samples no cycle has consumed yet."""
-    return store.db.execute(f"SELECT COUNT(*) FROM ({RATED_SAMPLES_SQL})").fetchone()[0]
+    return store.query(f"SELECT COUNT(*) AS n FROM ({RATED_SAMPLES_SQL})")[0]["n"]
 
 
 def learner_dir(home: str | Path) -> Path:
@@ -147,7 +147,7 @@ def serving_version(home: str | Path) -> int | None:
 
 
 def last_cycle(store: Any) -> dict | None:
-    rows = list(store.db.query("SELECT * FROM learner_cycles ORDER BY id DESC LIMIT 1"))
+    rows = store.query("SELECT * FROM learner_cycles ORDER BY id DESC LIMIT 1")
     if not rows:
         return None
     row = rows[0]
@@ -170,13 +170,15 @@ def learner_status(store: Any) -> dict:
 
 
 def status_line(status: dict) -> str:
-    """One line: `on · serving v3 · 5 waiting · last cycle: published v3`."""
+    """One line: `on · serving v3 · 5 waiting · last cycle published v3`; just `off` when
+    there is nothing to say."""
     parts = ["on" if status["on"] else "off"]
     if not status["enabled"]:
         parts.append("disabled in config.toml")
     if status["serving_version"] is not None:
         parts.append(f"serving v{status['serving_version']}")
-    parts.append(f"{status['waiting']} waiting")
+    if status["waiting"] or status["on"]:
+        parts.append(f"{status['waiting']} waiting")
     last = status["last_cycle"]
     if last is not None:
         what = last["status"] + (f" v{last['version']}" if last["version"] else "")

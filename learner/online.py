@@ -273,7 +273,7 @@ class OnlineLearner:
                 reason: str | None = None) -> None:
         """Mark the cycle finished and its samples consumed, in one transaction."""
         with self.store.transaction():
-            self.store.db.executemany(
+            self.store.db.conn.executemany(
                 "INSERT OR IGNORE INTO trained_samples (sample_id, cycle_id, reward) "
                 "VALUES (?, ?, ?)", [(i, cycle_id, r) for i, r in consumed])
             self.store.db.execute(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from agent_runtime.names import DECLINED_PREFIX
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, ToolResult
 
 MODES = ("ask", "auto-edit", "full-auto")
@@ -134,7 +135,7 @@ class ApprovalGate:
             self.allowed.add(request.rule)
             self.store.allow(self.workspace, request.rule)
         elif answer[0] != YES:
-            raise ToolError(f"Not run: the user declined this {name} call. Do not repeat it "
+            raise ToolError(f"{DECLINED_PREFIX} this {name} call. Do not repeat it "
                             "unchanged; try another way, or call finish and say what you "
                             "need from the user.")
 

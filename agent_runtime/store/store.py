@@ -362,6 +362,10 @@ class SessionStore:
         with self._lock:
             return list(self.db.query(sql, params or []))
 
+    def query(self, sql: str, params: list | None = None) -> list[dict]:
+        """Rows of a read-only SQL query, as dicts (safe while other threads write)."""
+        return self._rows(sql, params)
+
     _SESSION_SQL = ("SELECT s.*, (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) "
                     "AS message_count FROM sessions s")
 
