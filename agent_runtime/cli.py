@@ -308,7 +308,8 @@ def sessions_show(session_id: str, full: bool, as_json: bool) -> None:
                         fg="magenta")
         _show_message(m, full)
     if not session["learn"] or session["origin"] != "user":
-        click.echo(f"not learned from ({'excluded' if not session['learn'] else session['origin']})")
+        why = "excluded" if not session["learn"] else f"made by {session['origin']}"
+        click.echo(f"learning: never learned from ({why})")
     for f in record["feedback"]:
         click.echo(f"feedback {'+1' if f['rating'] > 0 else '-1'} on "
                    f"{'#' + str(f['message_id']) if f['message_id'] else 'session'}"

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_runtime.learning import (DAEMON_FILE, LOCK_FILE, VERSIONS_DIR, learner_dir,
-                                    load_config, status_line, learner_status, waiting_samples)
+from agent_runtime.learning import (DAEMON_FILE, LOCK_FILE, learner_dir, learner_status,
+                                    load_config, status_line, waiting_samples)
 from learner.online import LearnerBusy, OnlineConfig, OnlineLearner
 
 log = logging.getLogger("apprentice.daemon")
@@ -137,7 +137,8 @@ class Daemon:
             return f"{waiting} rated samples waiting (>= {cfg.min_samples})"
         elapsed = time.monotonic() - self.last_cycle
         if waiting and cfg.schedule_minutes and elapsed >= 60 * cfg.schedule_minutes:
-            return f"{waiting} rated samples waiting, {cfg.schedule_minutes:g} min since the last cycle"
+            return (f"{waiting} rated samples waiting, {cfg.schedule_minutes:g} min since the "
+                    f"last cycle")
         return None
 
     def tick(self) -> None:
@@ -177,9 +178,7 @@ class Daemon:
             return None
         from learner.server import ServerConfig, VersionServer
         token = self.config.token or os.environ.get("APPRENTICE_TOKEN") or secrets.token_hex(16)
-        self.server = VersionServer(self.learner.versions.root if self.config.online.versions
-                                    else self.home / VERSIONS_DIR,
-                                    ServerConfig(host=self.config.host, port=self.config.port,
+        self.server = VersionServer(self.learner.versions.root, ServerConfig(host=self.config.host, port=self.config.port,
                                                  token=token)).start()
         return self.server.url
 

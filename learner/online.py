@@ -69,6 +69,7 @@ from learner.sentiment import SignalConfig, derive_signals, rated_sample_ids, sa
 log = logging.getLogger(__name__)
 
 CYCLE_LOCK = "cycle.lock"
+BASE_FILE = "base.json"                # in the version store: the checkpoint of version 1
 HOLD_ENV = "APPRENTICE_LEARNER_HOLD"   # crash tests: "training" | "publishing" stops there
 
 
@@ -200,13 +201,21 @@ class OnlineLearner:
         from agent_runtime import delta
         from agent_runtime.model import load_model
         from agent_runtime.policy import resolve_model_path
+        path = str(resolve_model_path(self.config.model).resolve())
+        marker = self.versions.root / BASE_FILE
         latest = self.versions.latest()
         if latest is not None:
+            line = json.loads(marker.read_text())["model"] if marker.exists() else path
+            if line != path:
+                raise ValueError(f"the version store at {self.versions.root} is the version "
+                                 f"line of {line}, not of {path}; name that model, or another "
+                                 f"version store (--versions)")
             return latest.version, self.versions.state(latest.version)
-        base = load_model(resolve_model_path(self.config.model), dtype=torch.float32)
+        base = load_model(path, dtype=torch.float32)
         dtype = getattr(torch, self.config.trainer.publish_dtype)
         state = {k: v.detach().to("cpu", dtype, copy=True) for k, v in base.state_dict().items()}
         version = self.versions.publish(state)
+        marker.write_text(json.dumps({"model": path, "version": version}))
         self._record_version(version, delta.state_sha256(state), "base",
                              {"model": self.config.model})
         return version, self.versions.state(version)
@@ -235,7 +244,7 @@ class OnlineLearner:
         baseline = self.baseline()
         oldest = serving_version - self.config.max_staleness
         out = []
-        for row in self._samples(ids):
+        for row in self.store.samples_by_id(ids):
             r = rewards.get(row["id"], 0.0)
             if r == 0.0 or row["policy_version"] < oldest or not row["completion_ids"]:
                 continue
@@ -244,11 +253,6 @@ class OnlineLearner:
                                version=row["policy_version"], advantage=r - baseline,
                                session_id=row["session_id"], advantage_reward=r))
         return out
-
-    def _samples(self, ids: list[int]) -> list[dict]:
-        marks = ",".join("?" * len(ids))
-        rows = self.store.db.query(f"SELECT * FROM samples WHERE id IN ({marks}) ORDER BY id", ids)
-        return [self.store._decode_sample(r) for r in rows]
 
     def baseline(self) -> float:
         """Mean reward of the last `baseline_window` consumed samples that carried one."""

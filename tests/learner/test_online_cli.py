@@ -111,3 +111,19 @@ def test_sessions_list_hides_eval_sessions_until_all(home):
         s.create_session("graded task", "w", "m", origin="eval")
     assert "graded task" not in invoke("sessions", "list")
     assert "[eval] graded task" in invoke("sessions", "list", "--all")
+
+
+def test_learning_on_another_model_than_the_version_line_is_a_clean_error(home, tmp_path):
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    vs = VersionStore(home / "versions")
+    vs.publish({"w": torch.zeros(2)})
+    (vs.root / "base.json").write_text(json.dumps({"model": str(tmp_path / "first-model")}))
+    with SessionStore(home) as s:
+        sid = s.create_session("t", "w", "m")
+        mid = s.add_message(sid, 0, "assistant", "x")
+        s.add_sample(sid, 0, mid, [1], [2], [-1.0], None, 1)
+        s.add_feedback(1, session_id=sid)
+    out = invoke("learn", "online", "--once", "--model", other, code=1)
+    assert "is the version line of" in out and "first-model" in out
