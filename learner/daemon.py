@@ -155,8 +155,9 @@ class Daemon:
             result = self.learner.run_cycle()
             self.last_cycle = time.monotonic()
             shift = result.logprob_shift
-            log.info("cycle %s: %s; %d samples (%d liked, %d disliked), logprob shift liked %s "
-                     "disliked %s; %s", result.cycle_id, result.status, result.samples,
+            log.info("cycle %s: %s%s; %d samples (%d liked, %d disliked), logprob shift liked "
+                     "%s disliked %s; %s", result.cycle_id, result.status,
+                     f" v{result.version}" if result.version else "", result.samples,
                      result.liked, result.disliked, _fmt(shift.get("liked")),
                      _fmt(shift.get("disliked")), result.gate.get("reason"))
         except LearnerBusy as exc:

@@ -135,8 +135,11 @@ def status(as_json: bool) -> None:
               help="Bearer token runtimes must send (default: $APPRENTICE_TOKEN, else a new "
                    "one, printed at start).")
 @click.option("--no-serve", is_flag=True, help="Learn only; do not serve versions.")
+@click.option("--poll-seconds", type=click.FloatRange(0.1), default=60.0, show_default=True,
+              help="Look at the schedule this often even when the store does not change.")
 def daemon(model: str, versions_dir: Path | None, lr: float | None, max_update: float | None,
-           gate_tasks: int | None, host: str, port: int, token: str, no_serve: bool) -> None:
+           gate_tasks: int | None, host: str, port: int, token: str, no_serve: bool,
+           poll_seconds: float) -> None:
     """Background learner for this machine: learns from rated sessions, serves versions."""
     import secrets
 
@@ -146,6 +149,7 @@ def daemon(model: str, versions_dir: Path | None, lr: float | None, max_update: 
         token = secrets.token_hex(16)
         click.echo(f"version server token (pass it to --connect runtimes): {token}", err=True)
     config = DaemonConfig(serve=not no_serve, host=host, port=port, token=token,
+                          poll_s=poll_seconds,
                           online=_online_config(model, versions_dir, lr, gate_tasks, max_update))
     with SessionStore() as store:
         d = Daemon(store, config)
