@@ -131,9 +131,9 @@ class Agent:
                  workspace: str | Path = ".", *, config: AgentConfig | None = None,
                  callbacks: Callbacks | None = None, sandbox: Any = None,
                  cancel_event: threading.Event | None = None):
-        if tools is None:
-            from agent_runtime.tools.registry import default_tools
-            tools = default_tools()
+        if tools is None:                      # the built-ins and every plugin's tools
+            from agent_runtime.hooks import plugin_tools
+            tools = plugin_tools(workspace)
         if store is None:
             from agent_runtime.store import SessionStore
             store = SessionStore()
@@ -157,13 +157,14 @@ class Agent:
 
     # -- entry points --------------------------------------------------------------------
 
-    def run(self, task: str) -> RunResult:
-        """Start a new session on `task` and run it to the end."""
+    def run(self, task: str, session_id: str | None = None) -> RunResult:
+        """Start a new session on `task` and run it to the end. `session_id` names the new
+        session (a front end that handed out the id before the first task, e.g. ACP)."""
         self.session_id = self.store.create_session(
             task, str(self.workspace), self.policy.name, self.policy.version,
             meta={"context_window": self.policy.context_window,
                   "max_steps": self.config.max_steps, "tools": sorted(self.tools)},
-            origin=self.config.origin, learn=self.config.learn)
+            session_id=session_id, origin=self.config.origin, learn=self.config.learn)
         self.context = Context(self.config.system_prompt, task,
                                config=self.config.context_config())
         with self.store.transaction():

@@ -18,7 +18,16 @@ PERMISSION_REJECTED = "permission_rejected"  # the user declined a tool call
 TESTS_GREEN = "tests_green"                # the session's own last test run passed
 IMPLICIT_SOURCES = (EDIT_KEPT, EDIT_REVERTED, FOLLOWUP_DISSATISFIED, RUN_CANCELLED,
                     PERMISSION_REJECTED, TESTS_GREEN)
-FEEDBACK_SOURCES = (EXPLICIT, *IMPLICIT_SOURCES)
+FEEDBACK_SOURCES = (EXPLICIT, *IMPLICIT_SOURCES)   # plugins may declare more (hooks.py)
+SOURCE_DESCRIPTIONS = {
+    EXPLICIT: "a rating the user gave (command line, TUI, editor)",
+    EDIT_KEPT: "the agent's edits were still in the workspace at the next session",
+    EDIT_REVERTED: "the user put the files the agent changed back as they were",
+    FOLLOWUP_DISSATISFIED: "the user's next message said the agent got it wrong",
+    RUN_CANCELLED: "the user stopped the run",
+    PERMISSION_REJECTED: "the user declined a tool call the agent proposed",
+    TESTS_GREEN: "the session's last test command passed",
+}
 
 # -- session origins: who made the session -----------------------------------------------------
 ORIGIN_USER = "user"                       # a person's run, TUI or editor session

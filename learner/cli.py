@@ -109,6 +109,9 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
               help="Model calls allowed per task.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=512, show_default=True,
               help="Tokens per model call (512 is what the recipe's eval stage uses).")
+@click.option("--context-window", type=click.IntRange(256), default=None,
+              help="Run models with a smaller context window than their own, so episodes "
+                   "summarize themselves sooner (e.g. 2048).")
 @click.option("-j", "--concurrency", type=click.IntRange(1), default=None,
               help="Tasks run at once (default: 4 for the oracle, 8 for a model, whose "
                    "calls then decode as one batch; --compare uses --processes).")
@@ -120,8 +123,8 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
 def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None, model: str,
                  policy_spec: str | None, compare: str | None, recipe_dir: Path | None,
                  processes: int | None, max_steps: int, max_new_tokens: int,
-                 concurrency: int | None, sandbox: str | None, verbose: bool,
-                 as_json: bool) -> None:
+                 context_window: int | None, concurrency: int | None, sandbox: str | None,
+                 verbose: bool, as_json: bool) -> None:
     """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task; or several
     side by side (--compare sft,default)."""
     import json
@@ -141,12 +144,12 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                             folder="" if tasks_spec in SIM_SETS else tasks_spec, seed=seed,
                             families=_families(families), max_steps=max_steps,
                             max_new_tokens=max_new_tokens, processes=processes or 0,
-                            sandbox=sandbox)
+                            sandbox=sandbox, context_window=context_window or 0)
         _compare(compare, recipe_dir, config, verbose, as_json)
         return
     spec = policy_spec or model
     try:
-        factory = policy_factory(spec, max_new_tokens)
+        factory = policy_factory(spec, max_new_tokens, context_window or 0)
     except ValueError as exc:
         raise click.BadParameter(str(exc))
     if spec == "oracle" and any(t.solution is None for t in task_list):

@@ -84,11 +84,13 @@ def resolve_tasks(spec: str, n: int | None = None, seed: int = 0,
     return tasks if n is None else tasks[:n]
 
 
-def policy_factory(spec: str, max_new_tokens: int = 512) -> Callable[[TaskInstance], Any]:
+def policy_factory(spec: str, max_new_tokens: int = 512,
+                   context_window: int = 0) -> Callable[[TaskInstance], Any]:
     """What makes each episode's policy: `oracle` (one per task), `replay:FILE` (a fresh
     replay per task), anything else a model loaded once and shared (greedy, at most
     `max_new_tokens` per call, as `learner.recipe.evaluate` runs it) through a
-    `BatchingPolicy`, so episodes running at once decode together."""
+    `BatchingPolicy`, so episodes running at once decode together. `context_window` (when set)
+    makes a model's window smaller, so self-summarization starts earlier."""
     if spec == "oracle":
         from learner.tasks.oracle import OraclePolicy
         return OraclePolicy
@@ -96,7 +98,10 @@ def policy_factory(spec: str, max_new_tokens: int = 512) -> Callable[[TaskInstan
     if spec.startswith("replay:"):
         return lambda task: load_policy(spec)
     from agent_runtime.batching import BatchingPolicy
-    policy = BatchingPolicy(load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens))
+    model = load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens)
+    if context_window:
+        model.context_window = min(context_window, model.context_window)
+    policy = BatchingPolicy(model)
     return lambda task: policy
 
 

@@ -15,6 +15,7 @@ it with an explicit rating. The reward table (rating x weight):
                                                                      "that's wrong", "undo"...
     run_cancelled           -1      0.25    session                  the user stopped the run
     permission_rejected     -1      0.5     the turn that asked      the user declined a call
+    (a plugin's source)     +1/-1   0.5     what it rates            the plugin records it
     tests_green             +1      0.5     session                  the session's last test
                                                                      command exited 0
 
@@ -45,6 +46,7 @@ from agent_runtime import names
 from agent_runtime.agent import EDITS_FILE
 from agent_runtime.learning import RATED_SAMPLES_SQL, load_config, workspace_excluded
 
+PLUGIN_WEIGHT = 0.5                 # a source a plugin declares (`register_feedback_sources`)
 REWARD_WEIGHTS = {
     names.EXPLICIT: 1.0,
     names.EDIT_KEPT: 0.5,
@@ -113,11 +115,13 @@ def derive_signals(store: Any, config: SignalConfig | None = None) -> int:
 def _turn_signals(store: Any, session: dict) -> list[dict]:
     """Cancelled run, declined calls, dissatisfied follow-ups, a green last test run."""
     out: list[dict] = []
+    known = {(f["message_id"], f["source"]) for f in store.feedback(session["id"])}
     if session["status"] == "cancelled":
         out.append({"rating": -1, "source": names.RUN_CANCELLED})
     calls = store.tool_calls(session["id"])
     for c in calls:
-        if (c["result"] or "").startswith(names.DECLINED_PREFIX):
+        if (c["result"] or "").startswith(names.DECLINED_PREFIX) \
+                and (c["message_id"], names.PERMISSION_REJECTED) not in known:  # e.g. by ACP
             out.append({"rating": -1, "source": names.PERMISSION_REJECTED,
                         "message": c["message_id"], "comment": c["name"]})
     for m in store.messages(session["id"]):
@@ -209,7 +213,8 @@ def sample_rewards(store: Any, sample_ids: list[int]) -> dict[int, float]:
             if sid not in explicit or key > explicit[sid][0]:
                 explicit[sid] = (key, float(rating))
         else:
-            implicit[sid] = implicit.get(sid, 0.0) + rating * REWARD_WEIGHTS.get(source, 0.0)
+            weight = REWARD_WEIGHTS.get(source, PLUGIN_WEIGHT)
+            implicit[sid] = implicit.get(sid, 0.0) + rating * weight
     out = {sid: max(-1.0, min(1.0, r)) for sid, r in implicit.items()}
     out.update({sid: r for sid, (_, r) in explicit.items()})
     return out

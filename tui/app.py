@@ -25,7 +25,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Input, Static
 
 from tui import runner
-from tui.approvals import MODES, ApprovalGate, ApprovalStore, Request, gated
+from agent_runtime.approvals import MODES, ApprovalGate, ApprovalStore, Request, gated
 from tui.screens import ApprovalScreen, FeedbackScreen, SessionsScreen
 from tui.widgets import AssistantMessage, ChatLog
 
@@ -240,10 +240,11 @@ class ApprenticeApp(App):
         """The agent's thread: one run (or resume) to its end; never raises."""
         try:
             from agent_runtime.agent import Agent, AgentConfig
+            from agent_runtime.hooks import plugin_tools
             from agent_runtime.learning import session_learns
-            from agent_runtime.tools.registry import default_tools
             learn = session_learns(self.store.home, self.workspace, self.settings.learn)
-            agent = Agent(self.policy, tools=gated(default_tools(), self.gate), store=self.store,
+            agent = Agent(self.policy, tools=gated(plugin_tools(self.workspace), self.gate),
+                          store=self.store,
                           workspace=self.workspace,
                           config=AgentConfig(max_steps=self.settings.max_steps, learn=learn),
                           callbacks=self._callbacks(), cancel_event=self.gate.cancel_event)

@@ -9,7 +9,7 @@ import click
 
 from agent_runtime.hooks import hookimpl
 
-APPROVAL_MODES = ("ask", "auto-edit", "full-auto")    # tui.approvals.MODES, without importing it
+APPROVAL_MODES = ("ask", "auto-edit", "full-auto")    # agent_runtime.approvals.MODES, without importing it
 
 
 @click.command("tui")

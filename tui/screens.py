@@ -16,7 +16,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
-from tui.approvals import ALWAYS, NO, YES, Request
+from agent_runtime.approvals import ALWAYS, NO, YES, Request
 from tui.widgets import preview
 
 REASONS = {                                    # DESIGN.md's feedback reasons, as the user reads them

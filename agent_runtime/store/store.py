@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import sqlite_utils
 
-from agent_runtime.names import FEEDBACK_SOURCES, ORIGIN_USER, ORIGINS
+from agent_runtime.names import EXPLICIT, ORIGIN_USER, ORIGINS
 from agent_runtime.store import blobs
 from agent_runtime.store.migrations import FEEDBACK_REASONS, migrate
 
@@ -171,15 +171,16 @@ class SessionStore:
     # -- writes (each commits before returning) ----------------------------------------------
 
     def create_session(self, task: str, workspace: str, model: str, policy_version: int = 0,
-                       meta: dict | None = None, *, origin: str = ORIGIN_USER,
-                       learn: bool = True) -> str:
-        """A new "running" session with segment 0; returns its id (uuid4 hex).
+                       meta: dict | None = None, session_id: str | None = None, *,
+                       origin: str = ORIGIN_USER, learn: bool = True) -> str:
+        """A new "running" session with segment 0; returns its id (`session_id`, or a new
+        uuid4 hex).
 
         `origin` says who made it (`names.ORIGINS`: only "user" sessions are learned from);
         `learn=False` excludes it from learning for good."""
         if origin not in ORIGINS:
             raise ValueError(f"origin must be one of {', '.join(ORIGINS)}, got {origin!r}")
-        session_id = uuid.uuid4().hex
+        session_id = session_id or uuid.uuid4().hex
         now = _now()
         with self.transaction():
             self.db.execute(
@@ -284,7 +285,7 @@ class SessionStore:
                             [message_id, sample_id])
 
     def add_feedback(self, rating: int, *, session_id: str, message_id: int | None = None,
-                     reason: str | None = None, source: str = FEEDBACK_SOURCES[0],
+                     reason: str | None = None, source: str = EXPLICIT,
                      comment: str | None = None) -> int:
         """Rate a session or one of its messages (+1/-1); returns the feedback row id."""
         if isinstance(rating, bool) or rating not in (1, -1):
@@ -292,9 +293,9 @@ class SessionStore:
         if reason is not None and reason not in FEEDBACK_REASONS:
             raise ValueError(f"reason must be one of {', '.join(FEEDBACK_REASONS)} "
                              f"(or None), got {reason!r}")
-        if source not in FEEDBACK_SOURCES:
-            raise ValueError(f"source must be one of {', '.join(FEEDBACK_SOURCES)}, "
-                             f"got {source!r}")
+        if not isinstance(source, str) or not source:    # a names.FEEDBACK_SOURCES entry,
+            raise ValueError(                            # or one a plugin declares
+                f"source must be a non-empty string, got {source!r}")
         with self.transaction():
             session_id = self._resolve(session_id)
             if message_id is not None:

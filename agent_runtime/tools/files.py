@@ -4,14 +4,20 @@ Messages are written for the model: a failed edit says how many places matched a
 binary or huge file gets a notice instead of its bytes. `edit_file` puts a unified diff in
 `ToolResult.data["diff"]` for UIs. These tools do not run formatters, create backups or
 track undo history; the session store and the UI own that.
+
+Text goes through a `FileAccess`: the disk, unless a front end puts its own in
+`ToolContext.extras["files"]` (an editor's buffers over ACP, so the agent reads and writes
+what the user sees, unsaved changes included). Paths are resolved and confined to the
+workspace before any access is asked.
 """
 
 from __future__ import annotations
 
 import difflib
+import io
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agent_runtime.tools import paths
 from agent_runtime.tools.base import ToolContext, ToolError, ToolResult
@@ -22,6 +28,32 @@ MAX_OUTPUT_CHARS = 40_000    # read_file stops adding lines past this
 HUGE_BYTES = 8 * 2**20       # past this, total lines are not counted
 MAX_EDIT_BYTES = 16 * 2**20  # edit_file refuses larger files
 MAX_DIFF_LINES = 2000
+
+
+class FileAccess(Protocol):
+    """Where the file tools read and write text. Failures raise OSError (or ToolError)."""
+
+    def read_text(self, path: Path) -> str: ...
+
+    def write_text(self, path: Path, content: str) -> None: ...
+
+
+class DiskFiles:
+    """The default `FileAccess`: UTF-8 files on disk, newlines kept as they are."""
+
+    def read_text(self, path: Path) -> str:
+        with open(path, "r", encoding="utf-8", errors="replace", newline="") as f:
+            return f.read()
+
+    def write_text(self, path: Path, content: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(content)
+
+
+def file_access(ctx: ToolContext) -> FileAccess | None:
+    """The front end's `FileAccess`, or None for plain disk access."""
+    return ctx.extras.get("files")
 
 
 def _notify_changed(ctx: ToolContext, path: Path) -> None:
@@ -41,14 +73,27 @@ def _regular_file(path: Path, shown: str, tool: str) -> int:
     return path.stat().st_size
 
 
-def _read_text(path: Path, shown: str, tool: str) -> str:
+def _read_text(path: Path, shown: str, tool: str, files: FileAccess | None = None) -> str:
     size = _regular_file(path, shown, tool)
     if size > MAX_EDIT_BYTES:
         raise ToolError(f"{tool}: `{shown}` is too large to edit ({size:,} bytes)")
+    if files is not None and not paths.is_binary(paths.sniff(path)):
+        try:
+            return files.read_text(path)
+        except OSError as e:
+            raise ToolError(f"{tool}: cannot read `{shown}`: {e.strerror or e}") from None
     data = path.read_bytes()
     if paths.is_binary(data):
         raise ToolError(f"{tool}: `{shown}` is a binary file ({size:,} bytes)")
     return data.decode("utf-8", "replace")
+
+
+def _write_text(path: Path, content: str, shown: str, tool: str,
+                files: FileAccess | None) -> None:
+    try:
+        (files or DiskFiles()).write_text(path, content)
+    except OSError as e:
+        raise ToolError(f"{tool}: cannot write `{shown}`: {e.strerror or e}") from None
 
 
 def unified_diff(old: str, new: str, shown: str) -> str:
@@ -85,7 +130,17 @@ class ReadFile:
                               {"path": shown, "binary": True, "size": size})
         offset = max(1, int(args.get("offset") or 1))
         limit = max(1, int(args.get("limit") or DEFAULT_LIMIT))
-        out, last, total, cut_lines = self._lines(path, offset, limit, count=size <= HUGE_BYTES)
+        files = file_access(ctx)
+        if files is None:
+            with open(path, "r", encoding="utf-8", errors="replace", newline=None) as f:
+                out, last, total, cut_lines = self._lines(f, offset, limit, size <= HUGE_BYTES)
+        else:
+            try:
+                text = files.read_text(path)
+            except OSError as e:
+                raise ToolError(f"read_file: cannot read `{shown}`: {e.strerror or e}") from None
+            out, last, total, cut_lines = self._lines(io.StringIO(text, newline=None), offset,
+                                                      limit, True)
         if not out and size == 0:
             return ToolResult(f"[`{shown}` is empty]", {"path": shown, "lines": 0})
         if not out:
@@ -107,27 +162,26 @@ class ReadFile:
                                  "total_lines": total})
 
     @staticmethod
-    def _lines(path: Path, offset: int, limit: int, count: bool):
+    def _lines(f: Any, offset: int, limit: int, count: bool):
         out: list[str] = []
         chars = cut = 0
         last = offset - 1
         n = 0
-        with open(path, "r", encoding="utf-8", errors="replace", newline=None) as f:
-            for n, line in enumerate(f, 1):
-                if n < offset:
-                    continue
-                if len(out) >= limit or chars >= MAX_OUTPUT_CHARS:
-                    if not count:
-                        return out, last, None, cut
-                    continue
-                line = line.rstrip("\n")
-                if len(line) > MAX_LINE_CHARS:
-                    line = line[:MAX_LINE_CHARS] + f"… [+{len(line) - MAX_LINE_CHARS} chars]"
-                    cut += 1
-                entry = f"{n:>6}\t{line}\n"
-                out.append(entry)
-                chars += len(entry)
-                last = n
+        for n, line in enumerate(f, 1):
+            if n < offset:
+                continue
+            if len(out) >= limit or chars >= MAX_OUTPUT_CHARS:
+                if not count:
+                    return out, last, None, cut
+                continue
+            line = line.rstrip("\n")
+            if len(line) > MAX_LINE_CHARS:
+                line = line[:MAX_LINE_CHARS] + f"… [+{len(line) - MAX_LINE_CHARS} chars]"
+                cut += 1
+            entry = f"{n:>6}\t{line}\n"
+            out.append(entry)
+            chars += len(entry)
+            last = n
         return out, last, n, cut
 
 
@@ -153,17 +207,13 @@ class WriteFile:
             raise ToolError(f"write_file: `{shown}` is a directory")
         if path.exists() and not path.is_file():
             raise ToolError(f"write_file: `{shown}` is not a regular file")
+        files = file_access(ctx)
         old = None
-        if path.exists() and path.stat().st_size <= MAX_EDIT_BYTES:
-            data = path.read_bytes()
-            old = None if paths.is_binary(data) else data.decode("utf-8", "replace")
+        if path.exists() and path.stat().st_size <= MAX_EDIT_BYTES \
+                and not paths.is_binary(paths.sniff(path)):
+            old = _read_text(path, shown, self.name, files)
         created = not path.exists()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "w", encoding="utf-8", newline="") as f:
-                f.write(content)
-        except OSError as e:
-            raise ToolError(f"write_file: cannot write `{shown}`: {e.strerror or e}") from None
+        _write_text(path, content, shown, self.name, files)
         _notify_changed(ctx, path)
         n_lines = content.count("\n") + (1 if content and not content.endswith("\n") else 0)
         verb = "Created" if created else "Overwrote"
@@ -202,7 +252,8 @@ class EditFile:
             raise ToolError("edit_file: `old` and `new` are the same; nothing to change")
         if not path.exists():
             raise ToolError(f"edit_file: `{shown}` does not exist; use write_file to create it")
-        original = _read_text(path, shown, self.name)
+        files = file_access(ctx)
+        original = _read_text(path, shown, self.name, files)
         crlf = "\r\n" in original and "\r\n" not in old
         text = original.replace("\r\n", "\n") if crlf else original
         starts = _find_all(text, old)
@@ -213,11 +264,7 @@ class EditFile:
         updated = text.replace(old, new) if args.get("replace_all") else text.replace(old, new, 1)
         if crlf:
             updated = updated.replace("\n", "\r\n")
-        try:
-            with open(path, "w", encoding="utf-8", newline="") as f:
-                f.write(updated)
-        except OSError as e:
-            raise ToolError(f"edit_file: cannot write `{shown}`: {e.strerror or e}") from None
+        _write_text(path, updated, shown, self.name, files)
         _notify_changed(ctx, path)
         lines = [text.count("\n", 0, s) + 1 for s in starts]
         where = f"line {lines[0]}" if len(lines) == 1 else "lines " + ", ".join(map(str, lines[:20]))

@@ -47,7 +47,9 @@ def default_recipe() -> RecipeConfig:
                            fit_to_time=True, checkpoint_every=50, log_every=10,
                            head_on_mask=True),
             tasks=3000, workers=2, batch_tokens=16384, small_window=(1400, 2048)),
-        eval=EvalConfig(n=200))
+        grpo=GRPOStageConfig(steps=200, group_size=8, groups_per_step=2, lr=1e-5,
+                             max_new_tokens=320, max_steps=12, workers=1, max_seconds=900),
+        eval=EvalConfig(n=200, processes=2, summary_window=2048))
 
 
 def toy_recipe() -> RecipeConfig:
@@ -65,7 +67,7 @@ def toy_recipe() -> RecipeConfig:
                       tasks=6, workers=1, batch_size=2),
         grpo=GRPOStageConfig(steps=1, group_size=2, groups_per_step=1, max_new_tokens=32,
                              max_steps=2, workers=1, lr=1e-5),
-        eval=EvalConfig(n=3, max_steps=2))
+        eval=EvalConfig(n=3, max_steps=2, summary_window=1024))
 
 
 RECIPES = {"default": default_recipe, "toy": toy_recipe}

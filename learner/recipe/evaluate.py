@@ -38,6 +38,10 @@ class EvalConfig:
     folder: str = ""                # a task folder, or a folder of them, instead of generated
                                     # tasks (its first n)
     sandbox: str | None = None      # "auto", "off", "require" (None: $APPRENTICE_SANDBOX, else auto)
+    context_window: int = 0         # a smaller window than the model's (0: the model's own),
+                                    # so long episodes summarize themselves
+    summary_window: int = 0         # the recipe's eval stage also evaluates its last model with
+                                    # this window (self-summarization check; 0: skip)
 
 
 def eval_tasks(config: EvalConfig) -> list:
@@ -62,9 +66,11 @@ def _shard(args: tuple) -> list[dict]:
 
     torch.set_num_threads(config.threads)
     device = pick_device(config.device)
-    policy = BatchingPolicy(EnginePolicy.load(str(model_dir), device=device, temperature=0.0,
-                                              max_new_tokens=config.max_new_tokens),
-                            max_batch=max(1, config.concurrency))
+    engine = EnginePolicy.load(str(model_dir), device=device, temperature=0.0,
+                               max_new_tokens=config.max_new_tokens)
+    if config.context_window:
+        engine.context_window = min(config.context_window, engine.context_window)
+    policy = BatchingPolicy(engine, max_batch=max(1, config.concurrency))
     deadline = time.monotonic() + config.max_seconds if config.max_seconds else None
 
     def one(task) -> dict | None:

@@ -150,7 +150,9 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
-                                   seed=g.seed))
+                                   seed=g.seed,
+                                   # on a CPU: one core trains while one rolls out
+                                   torch_threads=1 if device == "cpu" else 0))
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def factory():
@@ -179,6 +181,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
 
 def _eval(out: Path, config: RecipeConfig, log) -> dict:
     """Held-out pass@1 of the SFT and GRPO checkpoints, side by side."""
+    from dataclasses import replace
     result = {}
     for name in ("sft", "grpo"):
         model = out / name / "model"
@@ -186,6 +189,12 @@ def _eval(out: Path, config: RecipeConfig, log) -> dict:
             m = evaluate_model(model, config.eval)
             log({"model": name, "pass_at_1": m["pass_at_1"], "n": m["n"]})
             result[name] = m
+    window = config.eval.summary_window
+    if window and result:
+        name = list(result)[-1]
+        m = evaluate_model(out / name / "model", replace(config.eval, context_window=window))
+        log({"model": name, "context_window": window, "pass_at_1": m["pass_at_1"], "n": m["n"]})
+        result[f"{name}_window_{window}"] = m
     return result
 
 

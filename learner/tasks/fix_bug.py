@@ -34,6 +34,11 @@ PHRASES = [
            "Track down the bug and fix it; keep the tests as they are."),
     Phrase("Users report that `{call}` is {actual}; it must be {expected}. Fix the underlying "
            "bug."),
+    # Training only, and only when a visible test shows the bug: the user names no function,
+    # the agent runs the tests to find what fails (how people usually ask).
+    Phrase("Fix {failing}."),
+    Phrase("The tests fail. Find the bug and fix it ({failing} is in the {pkg} package)."),
+    Phrase("`python -m pytest -q` fails: {failing}. Fix the code, not the tests."),
     Phrase("Bug report for {pkg}: {fn} misbehaves. Steps to reproduce: evaluate `{call}`. "
            "Expected {expected}, got {actual}. Please patch it.", heldout=True),
     Phrase("Wrong result from `{fn}`: with these arguments, `{call}`, we get {actual} where "
@@ -113,7 +118,10 @@ def build(ctx: Context) -> Draft:
     fields = {"call": shown_call, "expected": expected, "actual": actual, "pkg": pkg}
     if caller is None:
         fields.update(fn=target.name, path=path)
+    if visible_target:
+        fields["failing"] = "the failing test"
     instruction = phrase(ctx, PHRASES, **fields)
+    from_tests = "{failing}" in PHRASES[ctx.phrase[0]].text
 
     turns = []
     if caller is not None:
@@ -122,6 +130,10 @@ def build(ctx: Context) -> Draft:
         turns.append(reads(ctx, [f"{pkg}/{check_module.split('.')[-1]}.py"]))
         turns.append(turn(f"It calls `{target.name}` from `{path}`; reading that.",
                           call("read_file", path=path)))
+    elif from_tests:                                    # run the tests, then read what failed
+        turns.append(turn("Let me run the tests to see what fails.",
+                          call("run_command", command="python -m pytest -q")))
+        turns.append(reads(ctx, [f"tests/test_{mod}.py", path]))
     else:
         if path not in instruction or visible_target:   # find the function (and its test)
             turns.append(turn(f"Let me find `{target.name}`.",

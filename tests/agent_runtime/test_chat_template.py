@@ -13,7 +13,8 @@ tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: E402
+from agent_runtime.model.chat_template import (COMPACT_CHAT_TEMPLATE, DEFAULT_CHAT_TEMPLATE,  # noqa: E402
+                                               ChatTemplate)
 
 # A Mistral/Llama-style template: bos/eos tokens, tools as indented JSON, namespace, continue,
 # tojson with separators, raise_exception on unknown roles, indented tags without `-`.
@@ -114,6 +115,41 @@ def test_default_template_matches_transformers(backend, name, tools, generation)
     ours = ChatTemplate(DEFAULT_CHAT_TEMPLATE, special).render(
         CONVERSATIONS[name], tools=tools, add_generation_prompt=generation)
     assert ours == expected
+
+
+@pytest.mark.parametrize("name,tools,generation", CASES)
+def test_compact_template_matches_transformers(backend, name, tools, generation):
+    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    hf = hf_tokenizer(backend, COMPACT_CHAT_TEMPLATE, **special)
+    expected = hf.apply_chat_template(CONVERSATIONS[name], tools=tools, tokenize=False,
+                                      add_generation_prompt=generation)
+    ours = ChatTemplate(COMPACT_CHAT_TEMPLATE, special).render(
+        CONVERSATIONS[name], tools=tools, add_generation_prompt=generation)
+    assert ours == expected
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_compact_template_renders_turns_like_the_default(name):
+    """Only the tool listing differs: every turn after the system turn is the same text."""
+    def turns(template):
+        text = ChatTemplate(template).render(CONVERSATIONS[name], tools=TOOLS,
+                                             add_generation_prompt=True)
+        return text.split("<|im_end|>\n", 1)[1]
+    assert turns(COMPACT_CHAT_TEMPLATE) == turns(DEFAULT_CHAT_TEMPLATE)
+
+
+def test_compact_template_lists_one_signature_line_per_tool():
+    plugin = {"type": "function", "function": {
+        "name": "weather", "description": "Today's weather for a city.\nMore detail.",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}}}}
+    text = ChatTemplate(COMPACT_CHAT_TEMPLATE).render(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+        tools=TOOLS + [plugin])
+    listing = text.split("# Tools\n", 1)[1].split("\nCall tools as", 1)[0].splitlines()
+    assert listing == ["edit_file(path, old, new)", "run_command(command?, timeout?)",
+                       "weather(city, unit?): Today's weather for a city."]
+    assert '"description"' not in text
 
 
 @pytest.mark.parametrize("name,tools,generation", CASES)

@@ -159,6 +159,30 @@ def test_a_declined_call_is_a_negative_signal_on_that_turn(store, workspace):
     assert names.PERMISSION_REJECTED in sources(store)
 
 
+def test_a_declined_call_an_editor_already_recorded_counts_once(store, workspace):
+    class Declining:
+        name, description, mutates = "edit_file", "edit", True
+        parameters = next(t for t in default_tools() if t.name == "edit_file").parameters
+
+        def __call__(self, args, ctx):
+            raise ToolError(f"{names.DECLINED_PREFIX} this edit_file call.")
+
+    tools = [Declining() if t.name == "edit_file" else t for t in default_tools()]
+    result = Agent(ReplayPolicy([EDIT, FINISH]), tools=tools, store=store, workspace=workspace,
+                   config=AgentConfig(max_steps=5)).run("fix add")
+    asked = store.tool_calls(result.session_id)[0]["message_id"]
+    store.add_feedback(-1, session_id=result.session_id, message_id=asked,
+                       source=names.PERMISSION_REJECTED)            # as the ACP agent does
+    derive_signals(store)
+    assert sources(store).count(names.PERMISSION_REJECTED) == 1
+
+
+def test_a_plugin_s_source_counts_at_the_plugin_weight(store):
+    sid, turns = session(store, 1)
+    store.add_feedback(-1, session_id=sid, source="linter_failed")
+    assert sample_rewards(store, [turns[0][1]]) == {turns[0][1]: -0.5}
+
+
 def test_edits_still_in_place_at_the_next_session_are_kept(store, workspace):
     run(store, workspace, [EDIT, FINISH])
     run(store, workspace, [FINISH])                       # the next session in the workspace

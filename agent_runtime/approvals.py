@@ -2,17 +2,19 @@
 
 The agent loop has no approval hook, so approval happens inside the tools: `GatedTool` wraps
 a tool and, when the `ApprovalGate` says the call needs the user's consent, blocks the agent's
-worker thread until the UI answers. A refusal raises `ToolError`, so the model reads that the
+worker thread until the front end (the TUI, an ACP editor) answers. A refusal raises `ToolError`, so the model reads that the
 user declined and can change course; a cancelled session releases a waiting call the same way.
 
 Modes, as in the coding agents people know:
-- `ask`: ask before every command and every file write or edit;
-- `auto-edit`: file writes and edits run at once, commands still ask;
+- `ask`: ask before every command, every file write or edit, and every external tool;
+- `auto-edit`: file writes and edits run at once, commands and external tools still ask;
 - `full-auto`: nothing asks.
+External tools are those that set `needs_approval = True` (MCP servers' tools): their effects
+are unknown, so they are treated like commands.
 "Always allow" answers persist per workspace in `$APPRENTICE_HOME/approvals.json`:
-edits as a whole, commands by their exact command line.
+edits as a whole, commands by their exact command line, external tools by name.
 
-This module knows nothing about Textual; the app hands the gate an `ask` function.
+This module knows no front end; the TUI or the ACP server hands the gate an `ask` function.
 """
 
 from __future__ import annotations
@@ -24,13 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from agent_runtime.names import DECLINED_PREFIX
+from agent_runtime.names import DECLINED_PREFIX, PERMISSION_REJECTED
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, ToolResult
 
 MODES = ("ask", "auto-edit", "full-auto")
 EDIT_TOOLS = frozenset({"write_file", "edit_file"})
 COMMAND_TOOLS = frozenset({"run_command"})
 YES, ALWAYS, NO = "yes", "always", "no"
+REJECTED_SOURCE = PERMISSION_REJECTED          # feedback source: the user declined a tool call
+LISTED_RULES = {"command": "commands",          # rule kind -> its list in approvals.json
+                "tool": "tools",
+                "mcp_server": "mcp_servers"}    # a workspace .mcp.json server the user trusts
 
 
 @dataclass
@@ -38,17 +44,21 @@ class Request:
     """One tool call waiting for the user's answer."""
     tool: str                                  # tool name
     arguments: dict[str, Any]                  # the call's arguments, as the model wrote them
-    rule: str                                  # what "always allow" remembers: "edits" or "command:<line>"
+    rule: str                                  # what "always allow" remembers: "edits",
+                                               # "command:<line>" or "tool:<name>"
 
     @property
     def always_label(self) -> str:
         if self.rule == "edits":
             return "always allow file edits in this workspace"
+        if self.rule.startswith("tool:"):
+            return f"always allow {self.tool} in this workspace"
         return "always allow this exact command in this workspace"
 
 
 class ApprovalStore:
-    """`approvals.json`: {resolved workspace path: {"edits": bool, "commands": [line, ...]}}."""
+    """`approvals.json`: {resolved workspace path: {"edits": bool, "commands": [line, ...],
+    "tools": [name, ...], "mcp_servers": [name@fingerprint, ...]}}."""
 
     def __init__(self, home: str | Path):
         self.path = Path(home) / "approvals.json"
@@ -63,7 +73,8 @@ class ApprovalStore:
 
     def rules(self, workspace: str | Path) -> set[str]:
         entry = self._read().get(str(Path(workspace).resolve())) or {}
-        rules = {f"command:{c}" for c in entry.get("commands") or [] if isinstance(c, str)}
+        rules = {f"{kind}:{value}" for kind, key in LISTED_RULES.items()
+                 for value in entry.get(key) or [] if isinstance(value, str)}
         if entry.get("edits"):
             rules.add("edits")
         return rules
@@ -75,10 +86,11 @@ class ApprovalStore:
             entry = data.setdefault(str(Path(workspace).resolve()), {})
             if rule == "edits":
                 entry["edits"] = True
-            elif rule.startswith("command:"):
-                commands = entry.setdefault("commands", [])
-                if rule[len("command:"):] not in commands:
-                    commands.append(rule[len("command:"):])
+            else:
+                kind, _, value = rule.partition(":")
+                listed = entry.setdefault(LISTED_RULES[kind], [])
+                if value not in listed:
+                    listed.append(value)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
@@ -97,7 +109,8 @@ class ApprovalGate:
         self.allowed = store.rules(self.workspace)
         self.cancel_event = threading.Event()  # set by the agent's cancel: stop waiting
 
-    def request_for(self, name: str, arguments: dict[str, Any]) -> Request | None:
+    def request_for(self, name: str, arguments: dict[str, Any],
+                    tool: Tool | None = None) -> Request | None:
         """The request to put to the user, or None when the call may run as it is."""
         if name in EDIT_TOOLS:
             if self.mode in ("auto-edit", "full-auto") or "edits" in self.allowed:
@@ -108,11 +121,16 @@ class ApprovalGate:
             if self.mode == "full-auto" or rule in self.allowed:
                 return None
             return Request(name, arguments, rule)
+        if needs_approval(tool):
+            rule = f"tool:{name}"
+            if self.mode == "full-auto" or rule in self.allowed:
+                return None
+            return Request(name, arguments, rule)
         return None
 
-    def check(self, name: str, arguments: dict[str, Any]) -> None:
+    def check(self, name: str, arguments: dict[str, Any], tool: Tool | None = None) -> None:
         """Return when the call may run; raise `ToolError` when the user said no."""
-        request = self.request_for(name, arguments)
+        request = self.request_for(name, arguments, tool)
         if request is None:
             return
         if self.cancel_event.is_set():
@@ -127,7 +145,7 @@ class ApprovalGate:
             answered.set()
 
         self.ask(request, reply)
-        while not answered.wait(0.05):
+        while not answered.wait(0.05) or self.cancel_event.is_set():
             if self.cancel_event.is_set():
                 raise ToolError("Not run: the user cancelled the session before approving "
                                 "this call.")
@@ -149,10 +167,16 @@ class GatedTool:
         self.parameters, self.mutates = tool.parameters, tool.mutates
 
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
-        self.gate.check(self.name, args)
+        self.gate.check(self.name, args, self.tool)
         return self.tool(args, ctx)
+
+
+def needs_approval(tool: Tool | None) -> bool:
+    """Whether `tool` is an external tool that asks like a command (`needs_approval = True`)."""
+    return bool(getattr(tool, "needs_approval", False))
 
 
 def gated(tools: list[Tool], gate: ApprovalGate) -> list[Tool]:
     """Wrap the tools that can need approval; the rest pass through unchanged."""
-    return [GatedTool(t, gate) if t.name in EDIT_TOOLS | COMMAND_TOOLS else t for t in tools]
+    return [GatedTool(t, gate) if t.name in EDIT_TOOLS | COMMAND_TOOLS or needs_approval(t)
+            else t for t in tools]

@@ -5,8 +5,17 @@ import threading
 
 import pytest
 
+from agent_runtime.approvals import ALWAYS, NO, YES, ApprovalGate, ApprovalStore, GatedTool, gated
 from agent_runtime.tools.base import ToolContext, ToolError, ToolResult
-from tui.approvals import ALWAYS, NO, YES, ApprovalGate, ApprovalStore, GatedTool, gated
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    ws = tmp_path / "calc"
+    ws.mkdir()
+    (ws / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    return ws
+
 
 EDIT = ("edit_file", {"path": "a.py", "old": "x", "new": "y"})
 RUN = ("run_command", {"command": "pytest -q"})
@@ -108,3 +117,36 @@ def test_gated_tool_is_the_same_tool_behind_the_gate(home, workspace):
 def test_unknown_mode_is_refused(home, workspace):
     with pytest.raises(ValueError, match="approval mode"):
         ApprovalGate(ApprovalStore(home), workspace, "yolo")
+
+
+class External:
+    """A tool with unknown effects (an MCP server's), which asks like a command."""
+    name, description, mutates, needs_approval = "mcp__srv__do", "does things", True, True
+    parameters = {"type": "object", "properties": {}}
+
+    def __call__(self, args, ctx):
+        return ToolResult("done")
+
+
+def test_an_external_tool_asks_in_auto_edit_mode(tmp_path):
+    gate = ApprovalGate(ApprovalStore(tmp_path), tmp_path, mode="auto-edit")
+    assert gate.request_for("mcp__srv__do", {}, External()).rule == "tool:mcp__srv__do"
+
+
+def test_always_allowing_an_external_tool_persists_by_name(tmp_path):
+    gate = ApprovalGate(ApprovalStore(tmp_path), tmp_path, ask=lambda r, reply: reply(ALWAYS))
+    gate.check("mcp__srv__do", {}, External())
+    fresh = ApprovalGate(ApprovalStore(tmp_path), tmp_path)
+    assert fresh.request_for("mcp__srv__do", {}, External()) is None
+
+
+def test_gated_wraps_external_tools(tmp_path):
+    gate = ApprovalGate(ApprovalStore(tmp_path), tmp_path)
+    assert isinstance(gated([External()], gate)[0], GatedTool)
+
+
+def test_an_answer_that_comes_with_a_cancel_is_a_cancellation(tmp_path):
+    gate = ApprovalGate(ApprovalStore(tmp_path), tmp_path,
+                        ask=lambda r, reply: (gate.cancel_event.set(), reply(None)))
+    with pytest.raises(ToolError, match="cancelled"):
+        gate.check(*RUN)

@@ -1,0 +1,1 @@
+"""inventory: stock levels (bundled example: a function to rename across files)."""

@@ -1,0 +1,1 @@
+"""apprentice as an Agent Client Protocol agent for editors (see `server.py`)."""

@@ -1,0 +1,24 @@
+"""The whole recipe, every stage, at toy scale (what `apprentice learn recipe toy` runs)."""
+
+from __future__ import annotations
+
+import json
+
+from agent_runtime.model import load_model
+from agent_runtime.model.chat_template import COMPACT_CHAT_TEMPLATE, ChatTemplate
+from learner.recipe import STAGES, run_recipe, toy_recipe
+
+
+def test_toy_recipe_runs_every_stage_and_ships_a_compact_harness_checkpoint(tmp_path):
+    out = tmp_path / "toy"
+    results = run_recipe(out, toy_recipe(), log=lambda line: None)
+    assert list(results) == list(STAGES)
+    assert all((out / stage / "metrics.json").exists() for stage in STAGES)
+    assert results["sft_data"]["passed"] == results["sft_data"]["episodes"] > 0
+    evals = results["eval"]
+    assert [evals[name]["n"] for name in ("sft", "grpo", "grpo_window_1024")] == [3, 3, 3]
+    model = out / "grpo" / "model"
+    config = json.loads((model / "config.json").read_text())
+    assert config["apprentice_harness"] == "compact"
+    assert ChatTemplate.from_pretrained(model).source() == COMPACT_CHAT_TEMPLATE
+    assert load_model(model).args.num_experts == 8
