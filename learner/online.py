@@ -166,7 +166,7 @@ class OnlineLearner:
         trainer = self._trainer(serving)
         before = _token_logprobs(trainer, samples)
         for _ in range(self.config.steps):
-            trainer.step(samples)
+            trainer.step(samples, extra_metrics={"cycle": cycle_id})
         moved = _cap_update(trainer.model, serving, self.config.max_update)
         candidate = trainer.published_state()
         trainer.model.load_state_dict({k: v.float() for k, v in candidate.items()})
@@ -232,7 +232,10 @@ class OnlineLearner:
                              f"weights than {self.config.model!r}; name that model, or another "
                              f"version store (--versions)") from exc
         torch.manual_seed(self.config.trainer.seed)
-        return Trainer(model, self.dir / "run", self.config.trainer)
+        trainer = Trainer(model, self.dir / "run", self.config.trainer)
+        done = trainer.metrics()                  # steps of earlier cycles: count on from them
+        trainer.step_count = done[-1]["step"] if done else 0
+        return trainer
 
     def gate(self, model_path: Path) -> Gate:
         if self._gate is None:
