@@ -183,6 +183,13 @@ class OnlineLearner:
             result.status = names.CYCLE_REJECTED
             return result
         sha = delta.state_sha256(candidate)
+        if sha == self.versions.info(serving_version).sha256:
+            result.gate = {**result.gate, "passed": False,
+                           "reason": "the update does not change the published (bf16) weights"}
+            self._finish(cycle_id, names.CYCLE_REJECTED, consumed, result.gate, result,
+                         reason=result.gate["reason"])
+            result.status = names.CYCLE_REJECTED
+            return result
         with self.store.transaction():
             self.store.db.execute("UPDATE learner_cycles SET status = ?, candidate_sha256 = ? "
                                   "WHERE id = ?", [names.CYCLE_PUBLISHING, sha, cycle_id])

@@ -59,7 +59,7 @@ REWARD_WEIGHTS = {
 
 # rules first: a follow-up that says the agent got it wrong
 DISSATISFIED = re.compile(
-    r"\b(that'?s (wrong|not (right|it|what i))|this is wrong|(is|was|looks) wrong|"
+    r"\b((that'?s|that is|this is|it'?s) (wrong|not (right|it|what i))|"
     r"undo|revert|roll ?back|put it back|not what i (asked|wanted|meant)|"
     r"(did ?n'?t|did not) ask|(does ?n'?t|does not|did ?n'?t|did not) work|you broke|"
     r"broke (it|the)|stop doing|wrong (file|change|fix))\b", re.IGNORECASE)

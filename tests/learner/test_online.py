@@ -91,3 +91,11 @@ def test_a_small_update_is_left_as_it_is():
     before = model.weight.detach().clone()
     _cap_update(model, serving, 1e-2)
     assert torch.equal(model.weight, before)
+
+
+def test_an_update_too_small_to_change_the_bf16_weights_publishes_nothing(store, ckpt, policy):
+    store.add_feedback(1, session_id=record_session(store, policy, "fix it", VALID))
+    online = learner(store, ckpt)
+    online.config.trainer.optim.lr = 1e-12
+    result = online.run_cycle()
+    assert result.version is None and "does not change" in result.gate["reason"]

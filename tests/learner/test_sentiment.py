@@ -120,7 +120,8 @@ def test_a_workspace_excluded_in_config_toml_is_skipped_even_for_old_sessions(st
 @pytest.mark.parametrize("text,dissatisfied", [
     ("that's wrong, the function should add", True), ("Undo that please", True),
     ("this broke the tests, revert it", True), ("not what I asked for", True),
-    ("great, now also add multiply", False), ("thanks! can you write a test", False)])
+    ("great, now also add multiply", False), ("thanks! can you write a test", False),
+    ("find what is wrong in calc.py", False)])
 def test_dissatisfied_follow_ups_are_recognised_by_rules(text, dissatisfied):
     assert bool(DISSATISFIED.search(text)) == dissatisfied
 
