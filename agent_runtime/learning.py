@@ -57,23 +57,32 @@ def load_config(home: str | Path) -> LearningConfig:
         data = tomllib.loads(path.read_text()).get("learning", {})
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
-    known = {f.name: f for f in fields(LearningConfig)}
-    default = LearningConfig()
-    kwargs: dict[str, Any] = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: [learning] must be a table, got {data!r}")
+    default, kwargs = LearningConfig(), {}
+    known = [f.name for f in fields(LearningConfig)]
     for key, value in data.items():
         if key not in known:
             raise ValueError(f"{path}: unknown setting learning.{key} "
                              f"(known: {', '.join(known)})")
         want = type(getattr(default, key))
-        ok = (isinstance(value, list) and all(isinstance(v, str) for v in value)
-              if want is list else isinstance(value, (int, float)) and not isinstance(value, bool)
-              if want in (int, float) else isinstance(value, want))
-        if not ok or (want in (int, float) and value < 0):
-            raise ValueError(f"{path}: learning.{key} must be a "
-                             f"{'list of paths' if want is list else want.__name__}"
-                             f"{'' if want in (list, bool) else ' >= 0'}, got {value!r}")
+        if not _fits(value, want):
+            raise ValueError(f"{path}: learning.{key} must be {_KINDS[want]}, got {value!r}")
         kwargs[key] = want(value) if want in (int, float) else value
     return LearningConfig(**kwargs)
+
+
+_KINDS = {bool: "true or false", int: "an integer >= 0", float: "a number >= 0",
+          list: "a list of paths"}
+
+
+def _fits(value: Any, want: type) -> bool:
+    if want is list:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if want is bool:
+        return isinstance(value, bool)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and value >= 0 and (want is float or float(value).is_integer())
 
 
 def workspace_excluded(workspace: str | Path, config: LearningConfig) -> bool:

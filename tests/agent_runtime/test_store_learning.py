@@ -69,7 +69,9 @@ def test_config_reads_the_learning_table(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ("[learning]\nmin_sample = 3\n", "unknown setting learning.min_sample"),
-    ("[learning]\nmin_samples = 'many'\n", "learning.min_samples must be a int"),
+    ("[learning]\nmin_samples = 'many'\n", "learning.min_samples must be an integer >= 0"),
+    ("[learning]\nschedule_minutes = -1\n", "learning.schedule_minutes must be a number >= 0"),
+    ("learning = 3\n", "must be a table"),
     ("[learning]\nexclude = 'x'\n", "learning.exclude must be a list of paths"),
     ("[learning\n", "config.toml")])
 def test_a_bad_config_is_a_one_line_error_naming_the_setting(tmp_path, text, message):

@@ -40,7 +40,7 @@ def test_a_bad_config_is_a_one_line_error(home):
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text("[learning]\nenabled = 'yes'\n")
     out = invoke("learn", "online", "--once", code=1)
-    assert out.startswith("Error: ") and "learning.enabled must be a bool" in out \
+    assert out.startswith("Error: ") and "learning.enabled must be true or false" in out \
         and len(out.strip().splitlines()) == 1
 
 
