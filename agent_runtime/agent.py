@@ -16,6 +16,8 @@ decide when to summarize; `policy`, `toolcalls` and `context` do.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 import traceback
@@ -26,6 +28,7 @@ from typing import Any, Callable
 
 from agent_runtime.context import (DEFAULT_SUMMARY_INSTRUCTION, SUMMARY_REQUEST, Context,
                                    ContextConfig)
+from agent_runtime.names import ORIGIN_USER
 from agent_runtime.policy import Completion, Policy
 from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, tool_schema
@@ -43,6 +46,7 @@ NUDGE = ("Your last message contained no tool call, and nobody is reading it unt
          "is done. A call looks like:\n<tool_call>\n"
          '{"name": "read_file", "arguments": {"path": "README.md"}}\n</tool_call>')
 INVALID_CALL = "invalid_tool_call"             # tool name recorded for calls that did not parse
+EDITS_FILE = "edits.json"                      # in the session folder: files the agent changed
 
 
 @dataclass
@@ -55,6 +59,9 @@ class AgentConfig:
     max_new_tokens: int | None = None          # generation budget of one turn; None: the policy's own
     nudge: str = NUDGE                         # user message sent after a turn without tool calls
     max_parallel: int = 8                      # read-only calls of one turn running at once
+    origin: str = ORIGIN_USER                  # who makes the session (names.ORIGINS); only
+                                               # "user" sessions are learned from
+    learn: bool = True                         # False: the session is never trained on
 
     def context_config(self) -> ContextConfig:
         return ContextConfig(summarize_at=self.summarize_at,
@@ -142,6 +149,7 @@ class Agent:
         self.context: Context | None = None
         self.steps = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._edits: dict[str, str | None] = {}   # path -> sha256 before the first change
 
     def cancel(self) -> None:
         """Stop at the next check: between steps, between tool calls, or inside generation."""
@@ -156,7 +164,7 @@ class Agent:
             task, str(self.workspace), self.policy.name, self.policy.version,
             meta={"context_window": self.policy.context_window,
                   "max_steps": self.config.max_steps, "tools": sorted(self.tools)},
-            session_id=session_id)
+            session_id=session_id, origin=self.config.origin, learn=self.config.learn)
         self.context = Context(self.config.system_prompt, task,
                                config=self.config.context_config())
         with self.store.transaction():
@@ -195,6 +203,7 @@ class Agent:
             summary, error = f"{type(exc).__name__}: {exc}", traceback.format_exc()
         finally:
             self.store.set_status(self.session_id, status, summary)
+            self._save_edits(session_dir)
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
@@ -306,6 +315,8 @@ class Agent:
         if call.error is not None:
             return ToolOutcome(call.error, False)
         start = time.perf_counter()
+        if self.tools[call.name].mutates:
+            self._note_edit(call)
         try:
             result = self.tools[call.name](call.arguments, self.tool_context)
             outcome = ToolOutcome(result.text, True, dict(result.data or {}))
@@ -340,6 +351,34 @@ class Agent:
                     self.session_id, message_id, call.id, call.name or INVALID_CALL,
                     call.arguments if call.arguments is not None else call.raw)
                 self._finish_call(call, row, outcome)
+
+    # -- what the session changed (the learner judges later whether the user kept it) ----
+
+    def _note_edit(self, call: ToolCall) -> None:
+        path = (call.arguments or {}).get("path")
+        if isinstance(path, str) and path not in self._edits:
+            target = _inside(self.workspace, path)
+            if target is not None:
+                self._edits[path] = _file_sha256(target)
+
+    def _save_edits(self, session_dir: Path) -> None:
+        """`edits.json`: per changed file, its sha256 before the session's first change and
+        after the session (None: absent). A resumed session keeps the first "before"."""
+        if not self._edits:
+            return
+        path = session_dir / EDITS_FILE
+        try:
+            old = json.loads(path.read_text())["files"] if path.exists() else {}
+        except (OSError, ValueError, KeyError):
+            old = {}
+        files = {}
+        for rel, before in {**self._edits, **{k: v["before"] for k, v in old.items()}}.items():
+            target = _inside(self.workspace, rel)
+            files[rel] = {"before": before,
+                          "after": _file_sha256(target) if target is not None else None}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"workspace": str(self.workspace), "files": files}, indent=1))
+        tmp.replace(path)
 
     # -- store ---------------------------------------------------------------------------
 
@@ -427,6 +466,20 @@ class Agent:
 
 def _mutating(group: list[ToolCall], tools: dict[str, Tool]) -> bool:
     return any(c.error is None and c.name in tools and tools[c.name].mutates for c in group)
+
+
+def _inside(workspace: Path, rel: str) -> Path | None:
+    """`workspace/rel` when it stays inside the workspace, else None."""
+    target = (workspace / rel).resolve()
+    return target if target == workspace or workspace in target.parents else None
+
+
+def _file_sha256(path: Path) -> str | None:
+    """sha256 of a file's bytes; None when it does not exist or cannot be read."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _default_sandbox(workspace: Path) -> Any:

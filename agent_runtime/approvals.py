@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from agent_runtime.names import DECLINED_PREFIX, PERMISSION_REJECTED
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, ToolResult
 
 MODES = ("ask", "auto-edit", "full-auto")
 EDIT_TOOLS = frozenset({"write_file", "edit_file"})
 COMMAND_TOOLS = frozenset({"run_command"})
 YES, ALWAYS, NO = "yes", "always", "no"
-REJECTED_SOURCE = "approval_rejected"          # feedback source: the user declined a tool call
+REJECTED_SOURCE = PERMISSION_REJECTED          # feedback source: the user declined a tool call
 LISTED_RULES = {"command": "commands",          # rule kind -> its list in approvals.json
                 "tool": "tools",
                 "mcp_server": "mcp_servers"}    # a workspace .mcp.json server the user trusts
@@ -152,7 +153,7 @@ class ApprovalGate:
             self.allowed.add(request.rule)
             self.store.allow(self.workspace, request.rule)
         elif answer[0] != YES:
-            raise ToolError(f"Not run: the user declined this {name} call. Do not repeat it "
+            raise ToolError(f"{DECLINED_PREFIX} this {name} call. Do not repeat it "
                             "unchanged; try another way, or call finish and say what you "
                             "need from the user.")
 

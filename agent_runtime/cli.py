@@ -80,30 +80,35 @@ def _agent_options(fn):
 @click.option("--copy", "copy_workspace", is_flag=True,
               help="Work on a copy of the workspace under $APPRENTICE_HOME/workspaces/ "
                    "and leave the original untouched.")
+@click.option("--no-learn", is_flag=True,
+              help="Never learn from this session (see also [learning] exclude in "
+                   "$APPRENTICE_HOME/config.toml and a workspace's .apprentice-no-learn).")
 @_agent_options
-def run(task: str, workspace: Path, copy_workspace: bool, model: str, policy_spec: str | None,
-        max_steps: int, context_window: int | None, as_json: bool, connect: str | None,
-        token: str) -> None:
+def run(task: str, workspace: Path, copy_workspace: bool, no_learn: bool, model: str,
+        policy_spec: str | None, max_steps: int, context_window: int | None, as_json: bool,
+        connect: str | None, token: str) -> None:
     """Run the agent headless on TASK in a workspace, streaming the transcript.
 
     Exits 0 when the agent called finish, 1 when the run failed, 2 when the step budget
     ran out, 130 when interrupted (Ctrl-C).
     """
+    from agent_runtime.learning import session_learns
     from agent_runtime.store import SessionStore
     store = SessionStore()
+    learn = session_learns(store.home, workspace, not no_learn)   # before a copy is made
     if copy_workspace:
         target = store.home / "workspaces" / f"{workspace.resolve().name}-{uuid.uuid4().hex[:8]}"
         shutil.copytree(workspace, target, symlinks=True)
         click.echo(f"working on a copy: {target}", err=True)
         workspace = target
     agent = _make_agent(store, workspace, model, policy_spec, max_steps, context_window, as_json,
-                        connect, token)
+                        connect, token, learn=learn)
     _finish(agent, agent.run(task), as_json)
 
 
 def _make_agent(store: Any, workspace: Path, model: str, policy_spec: str | None,
                 max_steps: int, context_window: int | None, as_json: bool,
-                connect: str | None = None, token: str = "") -> Any:
+                connect: str | None = None, token: str = "", learn: bool = True) -> Any:
     from agent_runtime.agent import Agent, AgentConfig
     from agent_runtime.policy import load_policy
     try:
@@ -122,7 +127,8 @@ def _make_agent(store: Any, workspace: Path, model: str, policy_spec: str | None
             click.echo(f"following {connect}: {subscriber.status}", err=True)
     transcript = Transcript(as_json)
     agent = Agent(policy, store=store, workspace=workspace,
-                  config=AgentConfig(max_steps=max_steps), callbacks=transcript.callbacks())
+                  config=AgentConfig(max_steps=max_steps, learn=learn),
+                  callbacks=transcript.callbacks())
     sandbox = agent.sandbox
     if sandbox is None or not sandbox.probe():
         click.secho(getattr(sandbox, "warning", None)
@@ -245,12 +251,14 @@ def sessions(ctx: click.Context) -> None:
 @sessions.command("list")
 @click.option("--limit", type=click.IntRange(1), default=20, show_default=True,
               help="How many sessions to show, newest first.")
+@click.option("--all", "show_all", is_flag=True,
+              help="Also list the sessions `eval` and the learner's rollouts made.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def sessions_list(limit: int = 20, as_json: bool = False) -> None:
-    """List recorded sessions, newest first."""
+def sessions_list(limit: int = 20, show_all: bool = False, as_json: bool = False) -> None:
+    """List your recorded sessions, newest first (--all: also eval and learner ones)."""
     from agent_runtime.store import SessionStore
     with SessionStore() as store:
-        rows = store.list_sessions(limit=limit)
+        rows = store.list_sessions(limit=limit, include_all=show_all)
     if as_json:
         click.echo(json.dumps(rows, ensure_ascii=False, indent=1, default=str))
         return
@@ -259,8 +267,9 @@ def sessions_list(limit: int = 20, as_json: bool = False) -> None:
     for r in rows:
         task = r["task"].splitlines()[0] if r["task"] else ""
         status = "interrupted" if r["interrupted"] else r["status"]
+        origin = "" if r["origin"] == "user" else f"[{r['origin']}] "
         click.echo(f"{r['id'][:12]}  {r['created_at'][:19]}  {status:<16} "
-                   f"{r['message_count']:>4} msgs  {task[:60]}")
+                   f"{r['message_count']:>4} msgs  {origin}{task[:60]}")
 
 
 @sessions.command("show")
@@ -298,10 +307,13 @@ def sessions_show(session_id: str, full: bool, as_json: bool) -> None:
             click.secho(f"── segment {segment}: summary ──\n{summaries.get(segment) or ''}",
                         fg="magenta")
         _show_message(m, full)
+    if not session["learn"] or session["origin"] != "user":
+        why = "excluded" if not session["learn"] else f"made by {session['origin']}"
+        click.echo(f"learning: never learned from ({why})")
     for f in record["feedback"]:
         click.echo(f"feedback {'+1' if f['rating'] > 0 else '-1'} on "
                    f"{'#' + str(f['message_id']) if f['message_id'] else 'session'}"
-                   f" {f['reason'] or ''} {f['comment'] or ''}".rstrip())
+                   f" [{f['source']}] {f['reason'] or ''} {f['comment'] or ''}".rstrip())
 
 
 def _show_message(m: dict, full: bool) -> None:

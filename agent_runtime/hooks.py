@@ -71,7 +71,8 @@ def plugin_tools(workspace: str | Path | None = None) -> list[Any]:
 
 def feedback_sources() -> dict[str, str]:
     """{source name: description} of every feedback source plugins declare."""
-    sources = {"explicit": "a rating the user gave (command line, TUI, editor)"}
+    from agent_runtime.names import SOURCE_DESCRIPTIONS
+    sources = dict(SOURCE_DESCRIPTIONS)
     plugin_manager().hook.register_feedback_sources(
         register=lambda name, description: sources.setdefault(name, description))
     return sources

@@ -17,9 +17,11 @@ if TYPE_CHECKING:
 
 @hookimpl
 def register_commands(cli: click.Group) -> None:
+    from learner.online_cli import add_commands
     cli.add_command(serve)
     cli.add_command(learn)
     cli.add_command(eval_command)
+    add_commands(cli, learn)
 
 
 @click.command()
@@ -40,7 +42,7 @@ def serve(store_dir: Path | None, host: str, port: int, token: str) -> None:
 
 @click.group()
 def learn() -> None:
-    """Train the policy: simulated tasks, offline GRPO, online RL from sessions."""
+    """Train the policy: simulated tasks, offline GRPO, online RL from your rated sessions."""
 
 
 @learn.group()

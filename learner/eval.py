@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from agent_runtime.names import ORIGIN_EVAL
 from learner.rollout import Episode, run_episodes
 from learner.tasks import TaskInstance, generate, load_tasks
 
@@ -108,7 +109,7 @@ def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], 
              concurrency: int = 1, max_steps: int = 20, sandbox=None) -> EvalReport:
     """Run one episode per task and collect the report."""
     episodes = run_episodes(factory, tasks, store, concurrency=concurrency,
-                            max_steps=max_steps, sandbox=sandbox)
+                            max_steps=max_steps, sandbox=sandbox, origin=ORIGIN_EVAL)
     return EvalReport(episodes)
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from agent_runtime.names import ORIGIN_ROLLOUT
 from learner.config import RolloutConfig, RunConfig
 from learner.grpo import Episode, Group, group_samples
 from learner.trainer import Trainer
@@ -83,7 +84,8 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
     with store.transaction():                      # the group is recorded whole or not at all
         for c in done:
             sid = store.create_session(task.prompt, "", policy.name, c.version,
-                                       meta={"family": "toy", "task_id": task.id})
+                                       meta={"family": "toy", "task_id": task.id},
+                                       origin=ORIGIN_ROLLOUT)
             store.add_message(sid, 0, "user", task.prompt)
             mid = store.add_message(sid, 0, "assistant", c.text)
             store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,

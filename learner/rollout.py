@@ -20,11 +20,12 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from agent_runtime.agent import Agent, AgentConfig, Callbacks
+from agent_runtime.names import ORIGIN_ROLLOUT
 from learner.tasks import TaskInstance, grade
 from learner.tasks.grading import Grade, make_sandbox, sandbox_config
 
@@ -48,9 +49,12 @@ class Episode:
 
 def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = None,
                 max_steps: int = 20, sandbox=None, agent_config: AgentConfig | None = None,
-                tools: list | None = None, keep_workspace: bool = False) -> Episode:
+                tools: list | None = None, keep_workspace: bool = False,
+                origin: str = ORIGIN_ROLLOUT) -> Episode:
     """One graded agent run of `policy` on `task`; the reward is recorded in `store`.
 
+    The session is marked with `origin` ("rollout", or "eval" for evaluations): never
+    learned from as user data, and hidden from `apprentice sessions list`.
     `sandbox`: a `SandboxConfig` or a mode ("auto", "off", "require"); None is the default
     config ($APPRENTICE_SANDBOX, else "auto"). `agent_config` overrides `max_steps`.
     `workdir`: where the temporary workspace is made (default: the system's temp folder)."""
@@ -72,7 +76,8 @@ def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = Non
             from agent_runtime.tools.registry import default_tools
             tools = default_tools()
         agent = Agent(policy, tools=tools, store=store, workspace=workspace,
-                      config=agent_config or AgentConfig(max_steps=max_steps),
+                      config=replace(agent_config or AgentConfig(max_steps=max_steps),
+                                     origin=origin),
                       callbacks=Callbacks(on_sample=count), sandbox=box)
         result = agent.run(task.instruction)
         graded = grade(task, workspace, sandbox=config,

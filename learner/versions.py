@@ -192,6 +192,24 @@ class VersionStore:
             self._by_sha[sha] = version
             return version
 
+    def discard_unpublished(self) -> list[Path]:
+        """Remove what a publisher killed mid-way left behind: temporary files, and any
+        version files beyond `latest.json` (never announced, so nobody has them). Call with
+        no other publisher running; returns the files removed."""
+        latest = self.latest()
+        top = 0 if latest is None else latest.version
+        gone = []
+        with self._lock, open(self.root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            for sub in ("versions", "snapshots", "deltas", "cache"):
+                for path in (self.root / sub).iterdir():
+                    stem = path.name.split(".")[0].split("-")[-1]
+                    if path.name.startswith(".") or (stem.isdigit() and int(stem) > top):
+                        path.unlink(missing_ok=True)
+                        gone.append(path)
+            self._by_sha.clear()
+        return gone
+
     # ------------------------------------------------------------------ internals
 
     def _path(self, sub: str, version: int, suffix: str) -> Path:

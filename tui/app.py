@@ -87,6 +87,7 @@ class ApprenticeApp(App):
         self.running = False
         self.pending: str | None = None        # a prompt sent while the policy was loading
         self.context_used: int | None = None
+        self.learner_line: str | None = None   # the local learner's state, read every second
         self.closing_down = False
         self._sandbox_checked = False
         # the main screen's widgets, kept so that they are reachable under a dialog
@@ -114,7 +115,23 @@ class ApprenticeApp(App):
         self.prompt.focus()
         self.chat.note(INTRO, "dim")
         self.set_interval(0.5, self.refresh_status)
+        self.set_interval(1.0, self.poll_learner)
         self.load_runtime()
+
+    @work(thread=True, exit_on_error=False, group="learner", exclusive=True)
+    def poll_learner(self) -> None:
+        """Read the local learner's state off the UI thread (the footer shows it live)."""
+        if self.store is None:
+            return
+        try:
+            line = runner.local_learner(self.store)
+        except Exception as exc:               # a store being migrated, a bad config...
+            line = f"unknown ({type(exc).__name__})"
+        self._post(self._learner_read, line)
+
+    def _learner_read(self, line: str) -> None:
+        self.learner_line = line
+        self.refresh_status()
 
     @work(thread=True, exit_on_error=False, group="load")
     def load_runtime(self) -> None:
@@ -165,7 +182,8 @@ class ApprenticeApp(App):
             model = "model: none (" + self.policy_error.splitlines()[0] + ")"
         else:
             model = f"model {runner.display_name(self.settings.spec)} · loading…"
-        learner = runner.learner_status(self.settings, self.policy, self.subscriber)
+        learner = runner.learner_status(self.settings, self.policy, self.subscriber,
+                                        self.learner_line)
         self._set(self.status_model, f"{model} · learner {learner}")
         mode = self.gate.mode if self.gate else self.settings.approval
         self._set(self.status_right, f"approvals: {mode} · {self._meter()}")
@@ -223,10 +241,12 @@ class ApprenticeApp(App):
         try:
             from agent_runtime.agent import Agent, AgentConfig
             from agent_runtime.hooks import plugin_tools
+            from agent_runtime.learning import session_learns
+            learn = session_learns(self.store.home, self.workspace, self.settings.learn)
             agent = Agent(self.policy, tools=gated(plugin_tools(self.workspace), self.gate),
                           store=self.store,
                           workspace=self.workspace,
-                          config=AgentConfig(max_steps=self.settings.max_steps),
+                          config=AgentConfig(max_steps=self.settings.max_steps, learn=learn),
                           callbacks=self._callbacks(), cancel_event=self.gate.cancel_event)
             self.agent = agent
             if not self._sandbox_checked:

@@ -34,14 +34,18 @@ APPROVAL_MODES = ("ask", "auto-edit", "full-auto")    # agent_runtime.approvals.
                    "are applied between model calls.")
 @click.option("--token", envvar="APPRENTICE_TOKEN", default="",
               help="Bearer token for --connect (or set $APPRENTICE_TOKEN).")
+@click.option("--no-learn", is_flag=True,
+              help="Never learn from these sessions (see also [learning] exclude in "
+                   "$APPRENTICE_HOME/config.toml).")
 def tui_command(workspace: Path, model: str, policy_spec: str | None, max_steps: int,
-        context_window: int | None, approval: str, connect: str | None, token: str) -> None:
+        context_window: int | None, approval: str, connect: str | None, token: str,
+        no_learn: bool) -> None:
     """Open the terminal UI: chat with the agent in a workspace (default: here)."""
     from tui.app import ApprenticeApp
     from tui.runner import Settings
     settings = Settings(workspace=workspace.resolve(), model=model, policy_spec=policy_spec,
                         max_steps=max_steps, context_window=context_window, approval=approval,
-                        connect=connect, token=token)
+                        connect=connect, token=token, learn=not no_learn)
     ApprenticeApp(settings).run()
 
 

@@ -29,6 +29,7 @@ class Settings:
     approval: str = "ask"                      # ask | auto-edit | full-auto (see approvals.py)
     connect: str | None = None                 # version server URL to follow (learner updates)
     token: str = ""                            # bearer token for the version server
+    learn: bool = True                         # False: never learn from these sessions
 
     @property
     def spec(self) -> str:
@@ -78,10 +79,20 @@ def follow(policy: Any, settings: Settings, store: Any) -> tuple[Any, Any]:
     return follow_server(policy, settings.connect, settings.token, store)
 
 
-def learner_status(settings: Settings, policy: Any, subscriber: Any) -> str:
-    """The footer's learner field."""
+def learner_status(settings: Settings, policy: Any, subscriber: Any,
+                   local: str | None = None) -> str:
+    """The footer's learner field: the subscriber's state when following a server, and the
+    local learner's (`agent_runtime.learning.status_line`, when known)."""
     if subscriber is not None:
-        return str(getattr(subscriber, "status", "connected"))
-    if settings.connect and policy is not None:
-        return "not followed (needs a model checkpoint, not a replay script)"
-    return "off"
+        following = str(getattr(subscriber, "status", "connected"))
+    elif settings.connect and policy is not None:
+        following = "not followed (needs a model checkpoint, not a replay script)"
+    else:
+        return local or "off"
+    return following if local in (None, "off") else f"{local} · {following}"
+
+
+def local_learner(store: Any) -> str:
+    """The home's learner in one line (daemon on/off, serving version, waiting, last cycle)."""
+    from agent_runtime.learning import learner_status, status_line
+    return status_line(learner_status(store))

@@ -16,6 +16,7 @@ from typing import Callable
 
 import sqlite_utils
 
+from agent_runtime.names import CYCLE_STATUSES, ORIGIN_USER, ORIGINS
 from agent_runtime.store.blobs import ROUTES_DTYPES
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = []
@@ -159,6 +160,63 @@ def m002_rewards(db: sqlite_utils.Database) -> None:
     )""")
     db.execute("CREATE INDEX rewards_session ON rewards (session_id)")
     db.execute("CREATE INDEX rewards_task ON rewards (task_id)")
+
+
+@migration
+def m003_learning_from_use(db: sqlite_utils.Database) -> None:
+    """Learning from use: who made a session (`origin`: user, eval, rollout) and whether it
+    may be learned from (`learn`), the online learner's cycles, and which samples a finished
+    cycle consumed (each sample at most once)."""
+    origins, statuses = _quoted(ORIGINS), _quoted(CYCLE_STATUSES)
+    for sql in [
+        f"""ALTER TABLE sessions ADD COLUMN origin TEXT NOT NULL DEFAULT '{ORIGIN_USER}'
+            CHECK (origin IN ({origins}))""",
+        "ALTER TABLE sessions ADD COLUMN learn INTEGER NOT NULL DEFAULT 1",  # 0: never trained on
+        # graded sessions are never a person's: rollouts and evaluations made before this
+        "UPDATE sessions SET origin = 'rollout' WHERE id IN (SELECT session_id FROM rewards)",
+        f"""CREATE TABLE learner_cycles (
+            id INTEGER PRIMARY KEY,
+            status TEXT NOT NULL CHECK (status IN ({statuses})),
+            pid INTEGER,                         -- the learner process running it
+            base_version INTEGER,                -- the serving version it trained from
+            version INTEGER,                     -- the version it published, or NULL
+            candidate_sha256 TEXT,               -- state hash of the candidate (publishing)
+            sample_ids TEXT,                     -- JSON list of the samples it trains on
+            samples INTEGER NOT NULL DEFAULT 0,
+            liked INTEGER NOT NULL DEFAULT 0,
+            disliked INTEGER NOT NULL DEFAULT 0,
+            gate TEXT,                           -- JSON: passed, reason, metrics
+            logprob_shift TEXT,                  -- JSON: liked and disliked mean shifts
+            reason TEXT,                         -- one line: why it ended as it did
+            started_at TEXT NOT NULL,
+            finished_at TEXT
+        )""",
+        """CREATE TABLE trained_samples (
+            sample_id INTEGER PRIMARY KEY REFERENCES samples (id) ON DELETE CASCADE,
+            cycle_id INTEGER NOT NULL REFERENCES learner_cycles (id),
+            reward REAL NOT NULL
+        )""",
+        """CREATE TABLE signal_scans (           -- implicit signals derived for a session
+            session_id TEXT PRIMARY KEY REFERENCES sessions (id) ON DELETE CASCADE,
+            edits_done INTEGER NOT NULL DEFAULT 0, -- edits kept/reverted judged (or none)
+            scanned_at TEXT NOT NULL
+        )""",
+        "CREATE INDEX feedback_source ON feedback (source)",
+        "CREATE INDEX samples_message ON samples (message_id)",
+        # what each rating covers: a session rating (target NULL) every sample of the
+        # session; a message rating the sample of that message, or for a tool result or a
+        # user message, of the assistant message before it (-1: none, covers nothing)
+        """CREATE VIEW feedback_targets AS
+            SELECT f.id AS feedback_id, f.session_id, f.rating, f.reason, f.source,
+                   f.created_at, f.message_id,
+                   CASE WHEN f.message_id IS NULL THEN NULL ELSE COALESCE(
+                       (SELECT a.id FROM messages a JOIN messages m ON m.id = f.message_id
+                        WHERE a.session_id = m.session_id AND a.role = 'assistant'
+                          AND a.idx <= m.idx ORDER BY a.idx DESC LIMIT 1), -1)
+                   END AS target_message_id
+            FROM feedback f""",
+    ]:
+        db.execute(sql)
 
 
 def _applied(db: sqlite_utils.Database) -> set[str]:

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 import sqlite_utils
 
+from agent_runtime.names import EXPLICIT, ORIGIN_USER, ORIGINS
 from agent_runtime.store import blobs
 from agent_runtime.store.migrations import FEEDBACK_REASONS, migrate
 
@@ -170,17 +171,24 @@ class SessionStore:
     # -- writes (each commits before returning) ----------------------------------------------
 
     def create_session(self, task: str, workspace: str, model: str, policy_version: int = 0,
-                       meta: dict | None = None, session_id: str | None = None) -> str:
+                       meta: dict | None = None, session_id: str | None = None, *,
+                       origin: str = ORIGIN_USER, learn: bool = True) -> str:
         """A new "running" session with segment 0; returns its id (`session_id`, or a new
-        uuid4 hex)."""
+        uuid4 hex).
+
+        `origin` says who made it (`names.ORIGINS`: only "user" sessions are learned from);
+        `learn=False` excludes it from learning for good."""
+        if origin not in ORIGINS:
+            raise ValueError(f"origin must be one of {', '.join(ORIGINS)}, got {origin!r}")
         session_id = session_id or uuid.uuid4().hex
         now = _now()
         with self.transaction():
             self.db.execute(
                 "INSERT INTO sessions (id, task, workspace, model, policy_version, status, "
-                "meta, pid, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?, ?)",
+                "meta, pid, created_at, updated_at, origin, learn) "
+                "VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
                 [session_id, task, str(workspace), model, int(policy_version), _dumps(meta),
-                 os.getpid(), now, now])
+                 os.getpid(), now, now, origin, int(bool(learn))])
             self._ensure_segment(session_id, 0)
         return session_id
 
@@ -277,7 +285,7 @@ class SessionStore:
                             [message_id, sample_id])
 
     def add_feedback(self, rating: int, *, session_id: str, message_id: int | None = None,
-                     reason: str | None = None, source: str = "explicit",
+                     reason: str | None = None, source: str = EXPLICIT,
                      comment: str | None = None) -> int:
         """Rate a session or one of its messages (+1/-1); returns the feedback row id."""
         if isinstance(rating, bool) or rating not in (1, -1):
@@ -285,8 +293,9 @@ class SessionStore:
         if reason is not None and reason not in FEEDBACK_REASONS:
             raise ValueError(f"reason must be one of {', '.join(FEEDBACK_REASONS)} "
                              f"(or None), got {reason!r}")
-        if not isinstance(source, str) or not source:
-            raise ValueError(f"source must be a non-empty string, got {source!r}")
+        if not isinstance(source, str) or not source:    # a names.FEEDBACK_SOURCES entry,
+            raise ValueError(                            # or one a plugin declares
+                f"source must be a non-empty string, got {source!r}")
         with self.transaction():
             session_id = self._resolve(session_id)
             if message_id is not None:
@@ -354,12 +363,17 @@ class SessionStore:
         with self._lock:
             return list(self.db.query(sql, params or []))
 
+    def query(self, sql: str, params: list | None = None) -> list[dict]:
+        """Rows of a read-only SQL query, as dicts (safe while other threads write)."""
+        return self._rows(sql, params)
+
     _SESSION_SQL = ("SELECT s.*, (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) "
                     "AS message_count FROM sessions s")
 
     @staticmethod
     def _session(row: dict) -> dict:
         row["meta"] = _loads(row["meta"])
+        row["learn"] = bool(row["learn"])
         # "running" in the table but its process is gone (killed, crashed): `resume` continues it
         row["interrupted"] = row["status"] == "running" and not _pid_alive(row.get("pid"))
         return row
@@ -369,10 +383,19 @@ class SessionStore:
         session_id = self._resolve(session_id_or_prefix)
         return self._session(self._rows(self._SESSION_SQL + " WHERE s.id = ?", [session_id])[0])
 
-    def list_sessions(self, limit: int = 50) -> list[dict]:
-        """Newest first, each with `message_count`."""
-        rows = self._rows(self._SESSION_SQL + " ORDER BY s.created_at DESC, s.rowid DESC "
-                          "LIMIT ?", [int(limit)])
+    def set_learn(self, session_id: str, learn: bool) -> None:
+        """Include a session in learning, or exclude it (its samples are never trained on)."""
+        with self.transaction():
+            session_id = self._resolve(session_id)
+            self.db.execute("UPDATE sessions SET learn = ? WHERE id = ?",
+                            [int(bool(learn)), session_id])
+
+    def list_sessions(self, limit: int = 50, include_all: bool = False) -> list[dict]:
+        """Newest first, each with `message_count`; only the user's own sessions unless
+        `include_all` (then also those `eval` and the learner's rollouts made)."""
+        where = "" if include_all else f" WHERE s.origin = '{ORIGIN_USER}'"
+        rows = self._rows(self._SESSION_SQL + where + " ORDER BY s.created_at DESC, "
+                          "s.rowid DESC LIMIT ?", [int(limit)])
         return [self._session(r) for r in rows]
 
     def messages(self, session_id: str, segment: int | None = None) -> list[dict]:
@@ -409,6 +432,15 @@ class SessionStore:
         """Samples in order, blobs decoded (ids/logprobs as lists, routes as ndarray)."""
         rows = self._rows("SELECT * FROM samples WHERE session_id = ? ORDER BY id",
                           [self._resolve(session_id)])
+        return [self._decode_sample(r) for r in rows]
+
+    def samples_by_id(self, ids: list[int]) -> list[dict]:
+        """The samples with these row ids, in id order, decoded as `samples` decodes them."""
+        if not ids:
+            return []
+        marks = ",".join("?" * len(ids))
+        rows = self._rows(f"SELECT * FROM samples WHERE id IN ({marks}) ORDER BY id",
+                          [int(i) for i in ids])
         return [self._decode_sample(r) for r in rows]
 
     @staticmethod

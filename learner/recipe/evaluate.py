@@ -61,6 +61,7 @@ def _shard(args: tuple) -> list[dict]:
     from agent_runtime.engine_policy import EnginePolicy
     from agent_runtime.store import SessionStore
     from learner.recipe.pretrain import pick_device
+    from agent_runtime.names import ORIGIN_EVAL
     from learner.rollout import run_episode
 
     torch.set_num_threads(config.threads)
@@ -77,7 +78,7 @@ def _shard(args: tuple) -> list[dict]:
             return None                        # not started: left out of n
         try:
             ep = run_episode(policy, task, store, max_steps=config.max_steps,
-                             sandbox=config.sandbox)
+                             sandbox=config.sandbox, origin=ORIGIN_EVAL)
             return {"task": task.id, "family": task.family, "passed": ep.reward > 0,
                     "cheated": ep.cheated, "steps": ep.steps, "tokens": ep.tokens,
                     "status": ep.status}

@@ -4,7 +4,7 @@ The agent loop runs on a worker thread; everything it reports (streamed text, to
 results) is sent to the editor through the connection's event loop, in order, before the
 prompt's answer. Tools are wrapped (`EditorTool`) so that a call
 - asks `session/request_permission` when the approval mode says so (`ApprovalGate`), and a
-  rejection is recorded in the store as implicit feedback (source `approval_rejected`);
+  rejection is recorded in the store as implicit feedback (source `permission_rejected`);
 - reads and writes files through the editor (`fs/read_text_file`, `fs/write_text_file`) when
   the client offers them, so unsaved buffers are what the agent sees and changes;
 - reports edits as `diff` content (whole old and new text, as ACP wants) and commands with

@@ -44,7 +44,7 @@ def build(ckpt, tmp_path, mode, **kw):
 
 
 def all_samples(store):
-    return [s for row in store.list_sessions(1000) for s in store.samples(row["id"])]
+    return [s for row in store.list_sessions(1000, include_all=True) for s in store.samples(row["id"])]
 
 
 def test_sync_mode_trains_only_on_policy(ckpt, tmp_path):

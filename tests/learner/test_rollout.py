@@ -75,7 +75,7 @@ def test_the_workspace_is_fresh_removed_and_never_holds_hidden_tests(store, task
 
     class Spy(OraclePolicy):
         def complete(self, messages, tools=None, **kw):
-            workspace = Path(store.get_session(store.list_sessions(1)[0]["id"])["workspace"])
+            workspace = Path(store.get_session(store.list_sessions(1, include_all=True)[0]["id"])["workspace"])
             seen.setdefault("files", {p.relative_to(workspace).as_posix()
                                       for p in workspace.rglob("*") if p.is_file()})
             return super().complete(messages, tools, **kw)

@@ -1,0 +1,50 @@
+"""Names for the words the runtime and the learner pass around about learning from use.
+
+Feedback sources (the `feedback.source` column), session origins (the `sessions.origin`
+column) and the outcomes of a learning cycle are named here once and used by name everywhere.
+This module imports nothing of the project, so the store, the agent loop, the TUI and the
+learner can all import it.
+"""
+
+from __future__ import annotations
+
+# -- feedback sources: who said it ------------------------------------------------------------
+EXPLICIT = "explicit"                      # the user's thumbs (command line, TUI)
+EDIT_KEPT = "edit_kept"                    # the agent's edits are still in the workspace
+EDIT_REVERTED = "edit_reverted"            # the user put the edited files back as they were
+FOLLOWUP_DISSATISFIED = "followup_dissatisfied"  # "that's wrong", "undo that" (rules)
+RUN_CANCELLED = "run_cancelled"            # the user stopped the run mid-way
+PERMISSION_REJECTED = "permission_rejected"  # the user declined a tool call
+TESTS_GREEN = "tests_green"                # the session's own last test run passed
+IMPLICIT_SOURCES = (EDIT_KEPT, EDIT_REVERTED, FOLLOWUP_DISSATISFIED, RUN_CANCELLED,
+                    PERMISSION_REJECTED, TESTS_GREEN)
+FEEDBACK_SOURCES = (EXPLICIT, *IMPLICIT_SOURCES)   # plugins may declare more (hooks.py)
+SOURCE_DESCRIPTIONS = {
+    EXPLICIT: "a rating the user gave (command line, TUI, editor)",
+    EDIT_KEPT: "the agent's edits were still in the workspace at the next session",
+    EDIT_REVERTED: "the user put the files the agent changed back as they were",
+    FOLLOWUP_DISSATISFIED: "the user's next message said the agent got it wrong",
+    RUN_CANCELLED: "the user stopped the run",
+    PERMISSION_REJECTED: "the user declined a tool call the agent proposed",
+    TESTS_GREEN: "the session's last test command passed",
+}
+
+# -- session origins: who made the session -----------------------------------------------------
+ORIGIN_USER = "user"                       # a person's run, TUI or editor session
+ORIGIN_EVAL = "eval"                       # `apprentice eval` and the learner's gate
+ORIGIN_ROLLOUT = "rollout"                 # the learner's own GRPO rollouts
+ORIGINS = (ORIGIN_USER, ORIGIN_EVAL, ORIGIN_ROLLOUT)
+
+# -- what a tool result says when the user declined the call (the TUI writes it) --------------
+DECLINED_PREFIX = "Not run: the user declined"
+
+# -- learning cycles ----------------------------------------------------------------------------
+CYCLE_RUNNING = "running"                  # gathering, training or gating
+CYCLE_PUBLISHING = "publishing"            # accepted; the version is being published
+CYCLE_PUBLISHED = "published"              # a new version serves
+CYCLE_REJECTED = "rejected"                # the gate said no; the serving version stays
+CYCLE_EMPTY = "empty"                      # nothing rated to learn from
+CYCLE_INTERRUPTED = "interrupted"          # the process died mid-cycle (found on restart)
+CYCLE_FAILED = "failed"                    # an error; the serving version stays
+CYCLE_STATUSES = (CYCLE_RUNNING, CYCLE_PUBLISHING, CYCLE_PUBLISHED, CYCLE_REJECTED,
+                  CYCLE_EMPTY, CYCLE_INTERRUPTED, CYCLE_FAILED)

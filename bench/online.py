@@ -1,0 +1,177 @@
+"""Online RL from use, with a simulated user of fixed, rule-based taste.
+
+Each round, the serving version runs real agent sessions (our engine, the Agent loop, the
+normal tools and sandbox) on train-split simulated tasks, recorded as the user's sessions.
+The simulated user rates each one through the store, as `apprentice feedback` does:
+
+    liked      the agent ran the tests (a test command) before calling `finish`
+    disliked   the agent rewrote a file that already existed with `write_file` (where
+               `edit_file` would do)
+
+(a session showing both is disliked; one showing neither is not rated). Then one learning
+cycle runs exactly as the daemon runs it (`learner.online.OnlineLearner.run_cycle`: rewards,
+the update on the recorded samples, the gate, publishing). Before the first and after the
+last round, the same fixed sessions measure: the rate of the liked and of the disliked
+behaviour, held-out pass@1 and the invalid-tool-call rate (`learner.gate`); and each
+published update's size ratio (full bf16 state / delta) is printed. Goal (issue 13): liked
++20 points, pass@1 not lower by more than 2 points, invalid calls not higher, deltas >= 40x
+smaller than the state.
+
+    python bench/online.py                          # the shipped default model
+    python bench/online.py --model DIR --rounds 4 --sessions 16 --eval-n 16
+    python bench/online.py --model DIR --rounds 1 --sessions 2 --eval-n 1 --max-steps 2 \
+        --max-new-tokens 16 --gate-tasks 0           # a smoke run (tiny checkpoints)
+
+It works in a fresh temporary `$APPRENTICE_HOME` (or `--home`) and never touches yours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TEST_RE = re.compile(r"(pytest|unittest|test_\w+\.py|\w+_test\.py|make test|npm test)")
+
+
+def taste(task, calls: list[dict]) -> int:
+    """+1 liked, -1 disliked, 0 no opinion (the simulated user's fixed rules)."""
+    rewrote = any(c["name"] == "write_file" and (c["arguments"] or {}).get("path") in task.files
+                  for c in calls)
+    if rewrote:
+        return -1
+    names = [c["name"] for c in calls]
+    if "finish" in names:
+        before = calls[:names.index("finish")]
+        if any(c["name"] == "run_command" and TEST_RE.search(str((c["arguments"] or {})
+                                                                 .get("command", "")))
+               for c in before):
+            return 1
+    return 0
+
+
+def sessions(policy, tasks, store, args, origin: str) -> list[tuple]:
+    """Run one episode per task; [(task, session id, taste)]."""
+    from learner.rollout import run_episodes
+    eps = run_episodes(lambda _t: policy, tasks, store, concurrency=args.concurrency,
+                       max_steps=args.max_steps, sandbox=args.sandbox, origin=origin)
+    return [(t, e.session_id, taste(t, store.tool_calls(e.session_id))) for t, e in zip(tasks, eps)]
+
+
+def behaviour(rated: list[tuple]) -> dict:
+    n = max(1, len(rated))
+    return {"liked_rate": sum(r > 0 for *_, r in rated) / n,
+            "disliked_rate": sum(r < 0 for *_, r in rated) / n}
+
+
+def load(args, state=None, version: int = 0):
+    from agent_runtime.batching import BatchingPolicy
+    from agent_runtime.engine_policy import EnginePolicy
+    engine = EnginePolicy.load(args.model, temperature=args.temperature, dtype="bfloat16",
+                               max_new_tokens=args.max_new_tokens, version=version)
+    if state is not None:
+        engine.swap_state(lambda sd: [sd[k].copy_(v) for k, v in state.items()], version)
+    return BatchingPolicy(engine) if args.concurrency > 1 else engine
+
+
+def measure(args, state, version, store, gate) -> dict:
+    """The fixed measurement: behaviour on `--probe` train tasks, held-out pass@1 and
+    invalid calls on `--eval-n` held-out tasks (greedy)."""
+    from agent_runtime.names import ORIGIN_EVAL
+    from learner.tasks import generate
+    probe = generate("train", args.probe, seed=10_000)
+    rated = sessions(load(args, state, version), probe, store, args, ORIGIN_EVAL)
+    held = gate.measure(state)
+    return {**behaviour(rated), "pass_at_1": held.pass_at_1, "invalid_rate": held.invalid_rate}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="checkpoint (default: the shipped one)")
+    p.add_argument("--rounds", type=int, default=3, help="rated rounds, one cycle each")
+    p.add_argument("--sessions", type=int, default=16, help="rated sessions per round")
+    p.add_argument("--probe", type=int, default=16, help="fixed sessions measuring behaviour")
+    p.add_argument("--eval-n", type=int, default=16, help="held-out tasks for pass@1")
+    p.add_argument("--gate-tasks", type=int, default=8, help="the gate's held-out tasks")
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0, help="sessions' sampling")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--max-update", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per cycle")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--sandbox", default=None)
+    p.add_argument("--home", type=Path, default=None)
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON at the end")
+    args = p.parse_args(argv)
+
+    from agent_runtime.names import ORIGIN_USER
+    from agent_runtime.policy import resolve_model_path
+    from agent_runtime.store import SessionStore
+    from learner.gate import Gate, GateConfig
+    from learner.online import OnlineConfig, OnlineLearner
+    from learner.tasks import generate
+
+    args.model = str(resolve_model_path(args.model))
+    home = args.home or Path(tempfile.mkdtemp(prefix="apprentice-online-bench-"))
+    os.environ["APPRENTICE_HOME"] = str(home)
+    store = SessionStore(home)
+    config = OnlineConfig(model=args.model, steps=args.steps, max_update=args.max_update,
+                          gate=GateConfig(n_tasks=args.gate_tasks, max_steps=args.max_steps,
+                                          max_new_tokens=args.max_new_tokens,
+                                          concurrency=args.concurrency, sandbox=args.sandbox))
+    config.trainer.optim.lr, config.trainer.temperature = args.lr, args.temperature
+    learner = OnlineLearner(store, config)
+    evaluator = Gate(args.model, home / "bench-eval",
+                     GateConfig(n_tasks=args.eval_n, seed=1, max_steps=args.max_steps,
+                                max_new_tokens=args.max_new_tokens,
+                                concurrency=args.concurrency, sandbox=args.sandbox))
+    version, state = learner.serving_state()
+    t0 = time.monotonic()
+    before = measure(args, state, version, store, evaluator)
+    print(f"before (v{version}): {_row(before)}", flush=True)
+    cycles = []
+    for r in range(args.rounds):
+        tasks = generate("train", args.sessions, seed=r)
+        rated = sessions(load(args, state, version), tasks, store, args, ORIGIN_USER)
+        for _, sid, rating in rated:
+            if rating:
+                store.add_feedback(rating, session_id=sid, comment="bench/online.py taste")
+        result = learner.run_cycle()
+        info = learner.versions.info(result.version) if result.version else None
+        ratio = info.nbytes / info.delta_bytes if info and info.delta_bytes else None
+        cycles.append({**result.to_json(), "round": r, **behaviour(rated),
+                       "delta_ratio": ratio})
+        print(f"round {r}: {behaviour(rated)} -> {result.samples} samples "
+              f"({result.liked} liked, {result.disliked} disliked), "
+              f"{'v' + str(result.version) if result.version else 'rejected'}: "
+              f"{result.gate.get('reason')}; delta {ratio and f'{ratio:.1f}x'}", flush=True)
+        version, state = learner.serving_state()
+    after = measure(args, state, version, store, evaluator)
+    print(f"after  (v{version}): {_row(after)}")
+    ratios = [c["delta_ratio"] for c in cycles if c["delta_ratio"]]
+    print(f"liked {100 * (after['liked_rate'] - before['liked_rate']):+.1f} points, disliked "
+          f"{100 * (after['disliked_rate'] - before['disliked_rate']):+.1f} points, pass@1 "
+          f"{100 * (after['pass_at_1'] - before['pass_at_1']):+.1f} points, invalid calls "
+          f"{100 * (after['invalid_rate'] - before['invalid_rate']):+.1f} points; delta ratios "
+          f"{', '.join(f'{x:.1f}x' for x in ratios) or '-'}; {time.monotonic() - t0:.0f}s")
+    if args.json:
+        print(json.dumps({"before": before, "after": after, "cycles": cycles}))
+
+
+def _row(m: dict) -> str:
+    return (f"liked {100 * m['liked_rate']:.1f}%  disliked {100 * m['disliked_rate']:.1f}%  "
+            f"held-out pass@1 {100 * m['pass_at_1']:.1f}%  invalid calls "
+            f"{100 * m['invalid_rate']:.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The gate: a candidate version is published only if it does not regress on a fixed small
+held-out set of simulated tasks.
+
+Both the serving version and the candidate run the same `n_tasks` held-out instances (fixed
+seed, greedy, real agent episodes with the normal tools and sandbox, graded by the hidden
+tests) and are compared on three numbers:
+
+    pass@1          share of tasks solved                      may drop by <= pass_margin
+    invalid rate    share of model calls with a tool call      may rise by <= invalid_margin
+                    that does not parse or names no tool
+    no-call rate    share of model calls with no tool call     may rise by <= no_call_margin
+                    at all (asking or talking instead of acting)
+
+The last two watch for the reward hacks Cursor reported with online RL from user signals:
+emitting broken tool calls so nothing can go wrong, and asking instead of acting. A rejected
+candidate's reason names every number that regressed. The serving version's numbers are
+cached by its state hash (`gate_cache.json`), so each version is evaluated once. The gate's
+episodes are recorded in a store of their own (`$APPRENTICE_HOME/learner/gate/`), marked as
+`eval` sessions, never in the user's.
+
+Not here: training (`online.py`), publishing (`learner.versions`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from agent_runtime.agent import INVALID_CALL
+from agent_runtime.names import ORIGIN_EVAL
+
+
+@dataclass
+class GateConfig:
+    n_tasks: int = 8                # held-out simulated tasks (0: only the numbers' bookkeeping,
+                                    # every candidate passes: for tests and tiny models)
+    seed: int = 0                   # which held-out instances (fixed, so versions compare)
+    max_steps: int = 8              # model calls per episode
+    max_new_tokens: int = 256       # tokens per model call
+    concurrency: int = 4            # episodes at once (their calls decode as one batch)
+    pass_margin: float = 0.0        # pass@1 may be lower than the serving version's by this
+    invalid_margin: float = 0.02    # the invalid-call rate may be higher by this
+    no_call_margin: float = 0.10    # the no-call rate may be higher by this
+    sandbox: str | None = None      # "auto" | "off" | "require"; None: $APPRENTICE_SANDBOX
+
+
+@dataclass
+class GateMetrics:
+    n: int = 0                      # episodes
+    pass_at_1: float = 0.0
+    calls: int = 0                  # model calls (summaries excluded)
+    invalid_rate: float = 0.0
+    no_call_rate: float = 0.0
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    reason: str
+    serving: GateMetrics = field(default_factory=GateMetrics)
+    candidate: GateMetrics = field(default_factory=GateMetrics)
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "reason": self.reason,
+                "serving": asdict(self.serving), "candidate": asdict(self.candidate)}
+
+
+def compare(serving: GateMetrics, candidate: GateMetrics, config: GateConfig) -> GateResult:
+    """Pass, or fail with every regression beyond its margin named."""
+    problems = []
+    if candidate.pass_at_1 < serving.pass_at_1 - config.pass_margin - 1e-9:
+        problems.append(f"held-out pass@1 {serving.pass_at_1:.3f} -> {candidate.pass_at_1:.3f}")
+    if candidate.invalid_rate > serving.invalid_rate + config.invalid_margin + 1e-9:
+        problems.append(f"invalid tool calls {serving.invalid_rate:.3f} -> "
+                        f"{candidate.invalid_rate:.3f} of model calls")
+    if candidate.no_call_rate > serving.no_call_rate + config.no_call_margin + 1e-9:
+        problems.append(f"calls without a tool call {serving.no_call_rate:.3f} -> "
+                        f"{candidate.no_call_rate:.3f}")
+    if problems:
+        return GateResult(False, "regressed: " + "; ".join(problems), serving, candidate)
+    return GateResult(True, f"no regression on {candidate.n} held-out tasks", serving, candidate)
+
+
+class Gate:
+    """Evaluates states of one checkpoint's architecture on the fixed held-out set."""
+
+    def __init__(self, model_path: str | Path, state_dir: str | Path,
+                 config: GateConfig | None = None):
+        self.model_path, self.state_dir = str(model_path), Path(state_dir)
+        self.config = config or GateConfig()
+        self._policy = None
+
+    def check(self, serving: Mapping[str, torch.Tensor], serving_sha: str,
+              candidate: Mapping[str, torch.Tensor]) -> GateResult:
+        base = self._cached(serving_sha)
+        if base is None:
+            base = self.measure(serving)
+            self._cache(serving_sha, base)
+        return compare(base, self.measure(candidate), self.config)
+
+    def measure(self, state: Mapping[str, torch.Tensor]) -> GateMetrics:
+        """Run the held-out episodes with `state` loaded; their numbers."""
+        c = self.config
+        if c.n_tasks <= 0:
+            return GateMetrics()
+        from agent_runtime.store import SessionStore
+        from learner.rollout import run_episodes
+        from learner.tasks import generate
+        policy = self._load()
+        self._engine.swap_state(lambda sd: [sd[k].copy_(v) for k, v in state.items()], 0)
+        tasks = generate("heldout", c.n_tasks, seed=c.seed)
+        with SessionStore(self.state_dir / "gate") as store:
+            episodes = run_episodes(lambda _t: policy, tasks, store, concurrency=c.concurrency,
+                                    max_steps=c.max_steps, sandbox=c.sandbox,
+                                    origin=ORIGIN_EVAL)
+            calls = invalid = no_call = 0
+            for e in episodes:
+                kinds = _call_kinds(store, e.session_id)
+                calls += len(kinds)
+                invalid += kinds.count("invalid")
+                no_call += kinds.count("none")
+        return GateMetrics(n=len(episodes),
+                           pass_at_1=sum(e.passed for e in episodes) / max(1, len(episodes)),
+                           calls=calls, invalid_rate=invalid / max(1, calls),
+                           no_call_rate=no_call / max(1, calls))
+
+    def _load(self) -> Any:
+        if self._policy is None:
+            from agent_runtime.batching import BatchingPolicy
+            from agent_runtime.engine_policy import EnginePolicy
+            engine = EnginePolicy.load(self.model_path, temperature=0.0, dtype="bfloat16",
+                                       max_new_tokens=self.config.max_new_tokens)
+            self._engine = engine
+            self._policy = BatchingPolicy(engine) if self.config.concurrency > 1 else engine
+        return self._policy
+
+    # -- the serving version's numbers, once per version -----------------------------------
+
+    def _cache_path(self) -> Path:
+        return self.state_dir / "gate_cache.json"
+
+    def _key(self, sha: str) -> str:
+        return json.dumps([sha, asdict(self.config)], sort_keys=True)
+
+    def _cached(self, sha: str) -> GateMetrics | None:
+        try:
+            data = json.loads(self._cache_path().read_text())
+        except (OSError, ValueError):
+            return None
+        hit = data.get(self._key(sha))
+        return GateMetrics(**hit) if hit else None
+
+    def _cache(self, sha: str, metrics: GateMetrics) -> None:
+        try:
+            data = json.loads(self._cache_path().read_text())
+        except (OSError, ValueError):
+            data = {}
+        data = dict(list(data.items())[-15:])                # a few versions are enough
+        data[self._key(sha)] = asdict(metrics)
+        tmp = self._cache_path().with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self._cache_path())
+
+
+def _call_kinds(store: Any, session_id: str) -> list[str]:
+    """Per model call (assistant message, summaries excluded): "valid", "invalid" (a call
+    that did not parse or names no tool) or "none" (no tool call at all)."""
+    invalid = {r["message_id"] for r in store.tool_calls(session_id) if r["name"] == INVALID_CALL}
+    out = []
+    for m in store.messages(session_id):
+        if m["role"] != "assistant" or (m["meta"] or {}).get("kind") == "summary":
+            continue
+        out.append("invalid" if m["id"] in invalid else "valid" if m["tool_calls"] else "none")
+    return out

@@ -1,0 +1,417 @@
+"""Online RL from recorded sessions and sentiment: one learning cycle.
+
+    learner = OnlineLearner(store, OnlineConfig(model="default"))
+    result = learner.run_cycle()     # gather, train, gate, publish (or keep the serving one)
+
+A cycle gathers the samples that ratings cover and no earlier cycle consumed
+(`sentiment.rated_sample_ids`; user sessions only, never excluded ones, never `eval` or
+rollout sessions), gives each its reward (`sentiment.sample_rewards`), and trains on the
+recorded samples only, with no regeneration: the recorded prompt and completion token ids,
+behaviour logprobs and routes go through `learner.trainer.Trainer` (router replay on) and the
+objective of `learner.grpo.policy_loss`. This module is a source of batches for that trainer,
+not a second trainer.
+
+The objective. User ratings are unpaired: one completion per prompt, rated alone, so GRPO's
+group baseline does not exist. We use REINFORCE with a baseline, in the clipped form:
+
+    A_i       = r_i - b,      b = mean reward of the last `baseline_window` consumed samples
+    per token   -min(min(ratio, cap) * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+                + kl_coef * k3(serving || new)
+
+with ratio = pi_new / pi_behaviour over the recorded behaviour logprobs. Samples of older
+versions get the same truncated importance weight (ratio capped at `ratio_cap`, clipped on the
+advantage's side), and samples more than `max_staleness` versions behind are dropped. Why
+this and not KTO: KTO needs a reference point estimated from a batch of mismatched pairs and
+a sigmoid value function tuned per dataset; for a few dozen samples a cycle, a running-mean
+baseline over past ratings does the same job (a user who likes most sessions does not make
+every update "more of what happened") with one number, and the KL term to the serving version
+plays the role of KTO's reference. Each cycle starts a fresh AdamW from the serving version,
+and a trust region caps the whole update: if the weights moved by more than `max_update`
+(relative L2 norm), the change is scaled back to that size.
+
+The gate (`gate.py`) then compares candidate and serving version; accepted candidates become
+the next version of the version store, which connected runtimes receive as deltas.
+
+Crash safety. A cycle is a row of `learner_cycles`. Its samples are recorded with it before
+publishing (status `publishing` with the candidate's state hash), the version store publishes
+atomically (`latest.json` last), and the samples are marked consumed (`trained_samples`) in
+the same transaction that marks the cycle finished. A learner killed at any point leaves a
+cycle in `running` or `publishing`; the next cycle first discards the version store's
+unannounced files, then completes a `publishing` cycle whose version was announced
+(consuming its samples) and marks every other one `interrupted` (its samples wait again). So
+no sample is consumed by two cycles and no half-published version is ever served.
+
+Not here: the reward table (`sentiment.py`), the gate, the daemon's scheduling (`daemon.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from agent_runtime import names
+from agent_runtime.learning import VERSIONS_DIR, learner_dir, load_config
+from learner.config import LossConfig, OptimConfig, TrainerConfig
+from learner.gate import Gate, GateConfig
+from learner.grpo import TrainSample
+from learner.sentiment import SignalConfig, derive_signals, rated_sample_ids, sample_rewards
+
+log = logging.getLogger(__name__)
+
+CYCLE_LOCK = "cycle.lock"
+BASE_FILE = "base.json"                # in the version store: the checkpoint of version 1
+HOLD_ENV = "APPRENTICE_LEARNER_HOLD"   # crash tests: "training" | "publishing" stops there
+
+
+def _trainer_defaults() -> TrainerConfig:
+    return TrainerConfig(loss=LossConfig(kl_coef=0.05), optim=OptimConfig(lr=1e-5),
+                         temperature=0.0, checkpoint_every=0)
+
+
+@dataclass
+class OnlineConfig:
+    model: str = "default"          # the base checkpoint: its architecture, and version 1 of
+                                    # the version line when the store is empty
+    versions: str | None = None     # version store folder (None: $APPRENTICE_HOME/versions)
+    trainer: TrainerConfig = field(default_factory=_trainer_defaults)  # objective, AdamW,
+                                    # replay; temperature 0: runtimes sample greedily and
+                                    # record logprobs at temperature 1; kl_coef: KL to serving
+    steps: int = 1                  # optimizer steps per cycle, each over all its samples
+    max_update: float = 1e-3        # trust region: relative L2 norm of one cycle's change
+    max_staleness: int = 8          # samples more versions behind than this are dropped
+    max_samples: int = 512          # samples per cycle at most (the oldest first)
+    baseline_window: int = 256      # consumed samples the reward baseline averages over
+    gate: GateConfig = field(default_factory=GateConfig)       # see GateConfig
+    signals: SignalConfig = field(default_factory=SignalConfig)  # see SignalConfig
+
+
+@dataclass
+class CycleResult:
+    samples: int = 0                # samples trained on
+    liked: int = 0                  # of them with a positive reward
+    disliked: int = 0               # ... with a negative reward
+    version: int | None = None      # the version published, or None
+    gate: dict = field(default_factory=lambda: {"passed": False, "reason": "not run"})
+    logprob_shift: dict = field(default_factory=lambda: {"liked": None, "disliked": None})
+    status: str = names.CYCLE_EMPTY  # names.CYCLE_STATUSES (not in the JSON)
+    cycle_id: int | None = None
+
+    def to_json(self) -> dict:
+        """The object `apprentice learn online --json` prints."""
+        return {"samples": self.samples, "liked": self.liked, "disliked": self.disliked,
+                "version": self.version, "gate": self.gate, "logprob_shift": self.logprob_shift}
+
+
+class LearnerBusy(RuntimeError):
+    """Another process is running a cycle on this home."""
+
+
+class OnlineLearner:
+    """Learning cycles over one home's store and version store."""
+
+    def __init__(self, store: Any, config: OnlineConfig | None = None):
+        from learner.versions import VersionStore
+        self.store, self.config = store, config or OnlineConfig()
+        self.dir = learner_dir(store.home)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.versions = VersionStore(self.config.versions or Path(store.home) / VERSIONS_DIR)
+        self._gate: Gate | None = None
+
+    # -- the cycle ----------------------------------------------------------------------------
+
+    def run_cycle(self) -> CycleResult:
+        """One cycle now; raises LearnerBusy when another process runs one."""
+        with self._cycle_lock():
+            self.recover()
+            derive_signals(self.store, self.config.signals)
+            if not load_config(self.store.home).enabled:
+                return CycleResult(gate={"passed": False, "reason": "learning is disabled in "
+                                         "config.toml ([learning] enabled = false)"})
+            ids = rated_sample_ids(self.store)[:self.config.max_samples]
+            if not ids:
+                return CycleResult(gate={"passed": False, "reason": "no rated samples"})
+            cycle_id = self._start(ids)
+            try:
+                return self._train_gate_publish(cycle_id, ids)
+            except Exception as exc:
+                self._finish(cycle_id, names.CYCLE_FAILED, [], {},
+                             reason=f"{type(exc).__name__}: {exc}")
+                raise
+
+    def _train_gate_publish(self, cycle_id: int, ids: list[int]) -> CycleResult:
+        from agent_runtime import delta
+        from agent_runtime.policy import resolve_model_path
+        rewards = sample_rewards(self.store, ids)
+        serving_version, serving = self.serving_state()
+        samples = self._train_samples(ids, rewards, serving_version)
+        consumed = [(i, rewards.get(i, 0.0)) for i in ids]
+        result = CycleResult(samples=len(samples), cycle_id=cycle_id,
+                             liked=sum(s.advantage_reward > 0 for s in samples),
+                             disliked=sum(s.advantage_reward < 0 for s in samples))
+        if not samples:
+            result.gate = {"passed": False, "reason": "no sample carries a reward"}
+            self._finish(cycle_id, names.CYCLE_EMPTY, consumed, result.gate, result)
+            result.status = names.CYCLE_EMPTY
+            return result
+        trainer = self._trainer(serving)
+        before = _token_logprobs(trainer, samples)
+        for _ in range(self.config.steps):
+            trainer.step(samples, extra_metrics={"cycle": cycle_id})
+        moved = _cap_update(trainer.model, serving, self.config.max_update)
+        candidate = trainer.published_state()
+        trainer.model.load_state_dict({k: v.float() for k, v in candidate.items()})
+        after = _token_logprobs(trainer, samples)
+        result.logprob_shift = _shifts(samples, before, after)
+        _hold(self.dir, "training")
+        gate = self.gate(resolve_model_path(self.config.model)).check(
+            serving, self.versions.info(serving_version).sha256, candidate)
+        result.gate = {**gate.to_json(), "update_norm": moved}
+        if not gate.passed:
+            log.warning("cycle %d rejected: %s", cycle_id, gate.reason)
+            self._finish(cycle_id, names.CYCLE_REJECTED, consumed, result.gate, result,
+                         reason=gate.reason)
+            result.status = names.CYCLE_REJECTED
+            return result
+        sha = delta.state_sha256(candidate)
+        if sha == self.versions.info(serving_version).sha256:
+            result.gate = {**result.gate, "passed": False,
+                           "reason": "the update does not change the published (bf16) weights"}
+            self._finish(cycle_id, names.CYCLE_REJECTED, consumed, result.gate, result,
+                         reason=result.gate["reason"])
+            result.status = names.CYCLE_REJECTED
+            return result
+        with self.store.transaction():
+            self.store.db.execute("UPDATE learner_cycles SET status = ?, candidate_sha256 = ? "
+                                  "WHERE id = ?", [names.CYCLE_PUBLISHING, sha, cycle_id])
+        version = self.versions.publish(candidate)
+        _hold(self.dir, "publishing")
+        result.version, result.status = version, names.CYCLE_PUBLISHED
+        self._finish(cycle_id, names.CYCLE_PUBLISHED, consumed, result.gate, result,
+                     version=version, reason=gate.reason)
+        return result
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def serving_state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, state) the runtimes serve; version 1 is published from the base model
+        when the store is empty, and must be the base model otherwise."""
+        from agent_runtime import delta
+        from agent_runtime.model import load_model
+        from agent_runtime.policy import resolve_model_path
+        path = str(resolve_model_path(self.config.model).resolve())
+        marker = self.versions.root / BASE_FILE
+        latest = self.versions.latest()
+        if latest is not None:
+            line = json.loads(marker.read_text())["model"] if marker.exists() else path
+            if line != path:
+                raise ValueError(f"the version store at {self.versions.root} is the version "
+                                 f"line of {line}, not of {path}; name that model, or another "
+                                 f"version store (--versions)")
+            return latest.version, self.versions.state(latest.version)
+        base = load_model(path, dtype=torch.float32)
+        dtype = getattr(torch, self.config.trainer.publish_dtype)
+        state = {k: v.detach().to("cpu", dtype, copy=True) for k, v in base.state_dict().items()}
+        version = self.versions.publish(state)
+        marker.write_text(json.dumps({"model": path, "version": version}))
+        self._record_version(version, delta.state_sha256(state), "base",
+                             {"model": self.config.model})
+        return version, self.versions.state(version)
+
+    def _trainer(self, serving: dict[str, torch.Tensor]):
+        from agent_runtime.model import load_model
+        from agent_runtime.policy import resolve_model_path
+        from learner.trainer import Trainer
+        model = load_model(resolve_model_path(self.config.model), dtype=torch.float32)
+        try:
+            model.load_state_dict({k: v.float() for k, v in serving.items()})
+        except RuntimeError as exc:
+            raise ValueError(f"the version store at {self.versions.root} holds another model's "
+                             f"weights than {self.config.model!r}; name that model, or another "
+                             f"version store (--versions)") from exc
+        torch.manual_seed(self.config.trainer.seed)
+        trainer = Trainer(model, self.dir / "run", self.config.trainer)
+        done = trainer.metrics()                  # steps of earlier cycles: count on from them
+        trainer.step_count = done[-1]["step"] if done else 0
+        return trainer
+
+    def gate(self, model_path: Path) -> Gate:
+        if self._gate is None:
+            self._gate = Gate(model_path, self.dir, self.config.gate)
+        return self._gate
+
+    def _train_samples(self, ids: list[int], rewards: dict[int, float],
+                       serving_version: int) -> list["_Sample"]:
+        baseline = self.baseline()
+        oldest = serving_version - self.config.max_staleness
+        out = []
+        for row in self.store.samples_by_id(ids):
+            r = rewards.get(row["id"], 0.0)
+            if r == 0.0 or row["policy_version"] < oldest or not row["completion_ids"]:
+                continue
+            out.append(_Sample(prompt_ids=row["prompt_ids"], completion_ids=row["completion_ids"],
+                               logprobs=row["logprobs"], routes=row["routes"],
+                               version=row["policy_version"], advantage=r - baseline,
+                               session_id=row["session_id"], advantage_reward=r))
+        return out
+
+    def baseline(self) -> float:
+        """Mean reward of the last `baseline_window` consumed samples that carried one."""
+        row = self.store.db.execute(
+            "SELECT AVG(reward) FROM (SELECT reward FROM trained_samples WHERE reward != 0 "
+            "ORDER BY rowid DESC LIMIT ?)", [self.config.baseline_window]).fetchone()
+        return float(row[0]) if row[0] is not None else 0.0
+
+    # -- the cycle's record ---------------------------------------------------------------------
+
+    def _start(self, ids: list[int]) -> int:
+        latest = self.versions.latest()
+        with self.store.transaction():
+            return self.store.db.execute(
+                "INSERT INTO learner_cycles (status, pid, base_version, sample_ids, started_at) "
+                "VALUES (?, ?, ?, ?, ?)", [names.CYCLE_RUNNING, os.getpid(),
+                                           latest.version if latest else None, json.dumps(ids),
+                                           _now()]).lastrowid
+
+    def _finish(self, cycle_id: int, status: str, consumed: list[tuple[int, float]],
+                gate: dict, result: CycleResult | None = None, version: int | None = None,
+                reason: str | None = None) -> None:
+        """Mark the cycle finished and its samples consumed, in one transaction."""
+        with self.store.transaction():
+            self.store.db.conn.executemany(
+                "INSERT OR IGNORE INTO trained_samples (sample_id, cycle_id, reward) "
+                "VALUES (?, ?, ?)", [(i, cycle_id, r) for i, r in consumed])
+            self.store.db.execute(
+                "UPDATE learner_cycles SET status = ?, version = ?, samples = ?, liked = ?, "
+                "disliked = ?, gate = ?, logprob_shift = ?, reason = ?, finished_at = ? "
+                "WHERE id = ?",
+                [status, version, result.samples if result else 0,
+                 result.liked if result else 0, result.disliked if result else 0,
+                 json.dumps(gate), json.dumps(result.logprob_shift) if result else None,
+                 reason, _now(), cycle_id])
+            if version is not None:
+                self._record_version(version, self.versions.info(version).sha256,
+                                     "learner:online", {"cycle": cycle_id})
+
+    def _record_version(self, version: int, sha: str, source: str, meta: dict) -> None:
+        try:
+            self.store.record_policy_version(version, sha, source=source, meta=meta)
+        except ValueError as exc:              # another version line recorded before: keep on
+            log.warning("session store: %s", exc)
+
+    def recover(self) -> list[int]:
+        """Settle cycles a killed learner left (call holding the cycle lock); returns their
+        ids. See "Crash safety" in the module docstring."""
+        self.versions.discard_unpublished()
+        rows = list(self.store.db.query(
+            "SELECT id, status, candidate_sha256, sample_ids FROM learner_cycles "
+            "WHERE status IN (?, ?)", [names.CYCLE_RUNNING, names.CYCLE_PUBLISHING]))
+        for row in rows:
+            version = None
+            if row["status"] == names.CYCLE_PUBLISHING and row["candidate_sha256"]:
+                version = self.versions.find(row["candidate_sha256"])
+            if version is None:
+                with self.store.transaction():
+                    self.store.db.execute(
+                        "UPDATE learner_cycles SET status = ?, reason = ?, finished_at = ? "
+                        "WHERE id = ?", [names.CYCLE_INTERRUPTED, "the learner stopped mid-cycle; "
+                                         "its samples wait for the next one", _now(), row["id"]])
+                continue
+            ids = json.loads(row["sample_ids"] or "[]")
+            rewards = sample_rewards(self.store, ids)
+            self._finish(row["id"], names.CYCLE_PUBLISHED, [(i, rewards.get(i, 0.0)) for i in ids],
+                         {"passed": True, "reason": "published before the learner stopped"},
+                         version=version, reason="completed after a restart")
+        return [r["id"] for r in rows]
+
+    @contextlib.contextmanager
+    def _cycle_lock(self):
+        with open(self.dir / CYCLE_LOCK, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LearnerBusy(f"another learner is running a cycle on {self.store.home}; "
+                                  "try again when it is done (`apprentice learn status`)") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass
+class _Sample(TrainSample):
+    advantage_reward: float = 0.0    # the sample's reward (the advantage is minus the baseline)
+
+
+def _now() -> str:
+    import datetime as _dt
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _hold(state_dir: Path, phase: str) -> None:
+    """Crash tests only: with $APPRENTICE_LEARNER_HOLD=phase, say so in a file and wait here
+    until killed."""
+    if os.environ.get(HOLD_ENV) != phase:
+        return
+    (state_dir / f"held-{phase}").write_text(str(os.getpid()))
+    while True:
+        time.sleep(3600)
+
+
+@torch.no_grad()
+def _token_logprobs(trainer: Any, samples: list[TrainSample]) -> dict[int, torch.Tensor]:
+    """id(sample) -> its completion tokens' logprobs under the trainer's current weights."""
+    out: dict[int, torch.Tensor] = {}
+    for batch in trainer.micro_batches(samples):
+        for s, o in zip(batch, trainer.forward_batch(batch)):
+            out[id(s)] = o.logprobs.detach().cpu()
+    return out
+
+
+def _shifts(samples: list["_Sample"], before: dict, after: dict) -> dict:
+    """Mean per-token logprob change of the liked and the disliked completions."""
+    def mean(side: Callable[[float], bool]) -> float | None:
+        diffs = [after[id(s)] - before[id(s)] for s in samples if side(s.advantage_reward)]
+        return float(torch.cat(diffs).mean()) if diffs else None
+    return {"liked": mean(lambda r: r > 0), "disliked": mean(lambda r: r < 0)}
+
+
+@torch.no_grad()
+def _cap_update(model: torch.nn.Module, serving: dict[str, torch.Tensor],
+                max_update: float) -> float:
+    """Scale the change from `serving` back to `max_update` x |serving| (relative L2) when
+    it is larger; returns the relative size of the change kept."""
+    params = dict(model.named_parameters())
+    diff2 = base2 = 0.0
+    for name, p in params.items():
+        old = serving[name].to(p.dtype)
+        diff2 += float((p - old).pow(2).sum())
+        base2 += float(old.pow(2).sum())
+    rel = math.sqrt(diff2) / max(math.sqrt(base2), 1e-12)
+    if max_update > 0 and rel > max_update:
+        scale = max_update / rel
+        for name, p in params.items():
+            old = serving[name].to(p.dtype)
+            p.copy_(old + (p - old) * scale)
+        rel = max_update
+    return rel
+
+
+def result_of(store: Any, cycle_id: int) -> dict:
+    """The recorded row of a cycle, JSON decoded (for `learn status` and tests)."""
+    row = dict(next(iter(store.db.query("SELECT * FROM learner_cycles WHERE id = ?",
+                                        [cycle_id]))))
+    for key in ("gate", "logprob_shift", "sample_ids"):
+        row[key] = json.loads(row[key]) if row[key] else None
+    return row
+
+

@@ -1,0 +1,220 @@
+"""Rewards from sentiment: the user's thumbs and the implicit signals of how they used a
+session, turned into one reward per recorded sample.
+
+Every signal is a row of the store's `feedback` table with its `source`
+(`agent_runtime.names`), so the user sees it in `apprentice sessions show` and can override
+it with an explicit rating. The reward table (rating x weight):
+
+    source                  rating  weight  covers                   detected when
+    explicit                +1/-1   1.0     session or one message   `apprentice feedback`, TUI
+    edit_kept               +1      0.5     session                  every file the agent
+                                                                     changed is as it left it
+    edit_reverted           -1      1.0     session                  every such file is back as
+                                                                     it was before the session
+    followup_dissatisfied   -1      0.5     the turn before it       a later user message says
+                                                                     "that's wrong", "undo"...
+    run_cancelled           -1      0.25    session                  the user stopped the run
+    permission_rejected     -1      0.5     the turn that asked      the user declined a call
+    (a plugin's source)     +1/-1   0.5     what it rates            the plugin records it
+    tests_green             +1      0.5     session                  the session's last test
+                                                                     command exited 0
+
+Edits are judged when a later session starts in the same workspace, or `edit_delay_s` after
+the session ended (the files compared with `edits.json`, which the agent loop writes);
+edits partly changed by the user say nothing.
+
+What a rating covers (the store's `feedback_targets` view): a session rating covers every
+sample (model call) of the session, summaries included; a rating of an assistant message
+covers the sample that produced it; a rating of a tool result or a user message covers the
+assistant message before it. A sample's reward: the most specific explicit rating covering it
+(a message rating over a session rating, the newest first); without one, the sum of the
+implicit signals covering it (weight x rating), clipped to [-1, 1].
+
+Not here: the update (`online.py`), the store's schema (`agent_runtime.store.migrations`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent_runtime import names
+from agent_runtime.agent import EDITS_FILE
+from agent_runtime.learning import RATED_SAMPLES_SQL, load_config, workspace_excluded
+
+PLUGIN_WEIGHT = 0.5                 # a source a plugin declares (`register_feedback_sources`)
+REWARD_WEIGHTS = {
+    names.EXPLICIT: 1.0,
+    names.EDIT_KEPT: 0.5,
+    names.EDIT_REVERTED: 1.0,
+    names.FOLLOWUP_DISSATISFIED: 0.5,
+    names.RUN_CANCELLED: 0.25,
+    names.PERMISSION_REJECTED: 0.5,
+    names.TESTS_GREEN: 0.5,
+}
+
+# rules first: a follow-up that says the agent got it wrong
+DISSATISFIED = re.compile(
+    r"\b((that'?s|that is|this is|it'?s) (wrong|not (right|it|what i))|"
+    r"undo|revert|roll ?back|put it back|not what i (asked|wanted|meant)|"
+    r"(did ?n'?t|did not) ask|(does ?n'?t|does not|did ?n'?t|did not) work|you broke|"
+    r"broke (it|the)|stop doing|wrong (file|change|fix))\b", re.IGNORECASE)
+TEST_COMMAND = re.compile(
+    r"(^|[\s/;&|])(pytest|py\.test|unittest|tox|nox|test_\w+\.py|\w+_test\.py|"
+    r"npm (run )?test|yarn test|cargo test|go test|make (test|check)|ctest)\b")
+
+
+@dataclass
+class SignalConfig:
+    edit_delay_s: float = 3600.0    # judge edits this long after the session ended, even
+                                    # if no later session started in its workspace
+
+
+def _now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def _time(text: str) -> _dt.datetime:
+    return _dt.datetime.fromisoformat(text)
+
+
+# -- implicit signals -------------------------------------------------------------------------
+
+def derive_signals(store: Any, config: SignalConfig | None = None) -> int:
+    """Add the implicit feedback rows of the user's sessions that ended since the last scan
+    (edits once they can be judged); returns how many rows were added."""
+    config = config or SignalConfig()
+    rows = list(store.db.query(
+        "SELECT s.id, s.status, s.workspace, s.updated_at, s.created_at, sc.session_id AS "
+        "scanned, sc.edits_done FROM sessions s LEFT JOIN signal_scans sc ON sc.session_id = "
+        "s.id WHERE s.origin = ? AND s.status != 'running' AND (sc.session_id IS NULL OR "
+        "sc.edits_done = 0) ORDER BY s.created_at", [names.ORIGIN_USER]))
+    added = 0
+    for s in rows:
+        found: list[dict] = [] if s["scanned"] else _turn_signals(store, s)
+        edits = _edit_signal(store, s, config)
+        if s["scanned"] and edits == "pending":
+            continue                               # nothing new: write nothing
+        if edits is not None and edits != "pending":
+            found += edits
+        with store.transaction():
+            for f in found:
+                store.add_feedback(f["rating"], session_id=s["id"], message_id=f.get("message"),
+                                   source=f["source"], comment=f.get("comment"))
+            store.db.execute(
+                "INSERT OR REPLACE INTO signal_scans (session_id, edits_done, scanned_at) "
+                "VALUES (?, ?, ?)", [s["id"], int(edits != "pending"), _now().isoformat()])
+        added += len(found)
+    return added
+
+
+def _turn_signals(store: Any, session: dict) -> list[dict]:
+    """Cancelled run, declined calls, dissatisfied follow-ups, a green last test run."""
+    out: list[dict] = []
+    known = {(f["message_id"], f["source"]) for f in store.feedback(session["id"])}
+    if session["status"] == "cancelled":
+        out.append({"rating": -1, "source": names.RUN_CANCELLED})
+    calls = store.tool_calls(session["id"])
+    for c in calls:
+        if (c["result"] or "").startswith(names.DECLINED_PREFIX) \
+                and (c["message_id"], names.PERMISSION_REJECTED) not in known:  # e.g. by ACP
+            out.append({"rating": -1, "source": names.PERMISSION_REJECTED,
+                        "message": c["message_id"], "comment": c["name"]})
+    for m in store.messages(session["id"]):
+        if m["role"] == "user" and (m["meta"] or {}).get("kind") == "user" \
+                and DISSATISFIED.search(m["content"] or ""):
+            out.append({"rating": -1, "source": names.FOLLOWUP_DISSATISFIED, "message": m["id"],
+                        "comment": (m["content"] or "")[:200]})
+    tests = [c for c in calls if c["name"] == "run_command" and c["ok"]
+             and TEST_COMMAND.search(str((c["arguments"] or {}).get("command", "")))]
+    if tests and (tests[-1]["data"] or {}).get("exit_code") == 0:
+        out.append({"rating": 1, "source": names.TESTS_GREEN,
+                    "comment": str(tests[-1]["arguments"].get("command"))[:200]})
+    return out
+
+
+def _edit_signal(store: Any, session: dict, config: SignalConfig) -> list[dict] | str | None:
+    """[] / [kept] / [reverted] once judged, "pending" until it can be, None: no edits."""
+    path = store.home / "sessions" / session["id"] / EDITS_FILE
+    if not path.exists():
+        return None
+    later = store.db.execute("SELECT 1 FROM sessions WHERE workspace = ? AND created_at > ? "
+                             "AND origin = ? LIMIT 1", [session["workspace"],
+                                                        session["updated_at"],
+                                                        names.ORIGIN_USER]).fetchone()
+    aged = (_now() - _time(session["updated_at"])).total_seconds() >= config.edit_delay_s
+    if not later and not aged:
+        return "pending"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    workspace = Path(record.get("workspace") or session["workspace"])
+    files = record.get("files") or {}
+    changed = {rel: f for rel, f in files.items() if f.get("before") != f.get("after")}
+    if not changed:
+        return []
+    now = {rel: _sha256(workspace / rel) for rel in changed}
+    if all(now[rel] == f["after"] for rel, f in changed.items()):
+        return [{"rating": 1, "source": names.EDIT_KEPT, "comment": ", ".join(sorted(changed))}]
+    if all(now[rel] == f["before"] for rel, f in changed.items()):
+        return [{"rating": -1, "source": names.EDIT_REVERTED,
+                 "comment": ", ".join(sorted(changed))}]
+    return []
+
+
+def _sha256(path: Path) -> str | None:
+    import hashlib
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+# -- rewards of samples -----------------------------------------------------------------------
+
+def rated_sample_ids(store: Any) -> list[int]:
+    """Samples a rating covers that no finished cycle consumed, in workspaces that may be
+    learned from (the config's `exclude` is checked again: it may have grown since)."""
+    config = load_config(store.home)
+    rows = store.db.execute(
+        f"SELECT sa.id, s.workspace FROM samples sa JOIN sessions s ON s.id = sa.session_id "
+        f"WHERE sa.id IN ({RATED_SAMPLES_SQL}) ORDER BY sa.id").fetchall()
+    excluded: dict[str, bool] = {}
+    out = []
+    for sample_id, workspace in rows:
+        if workspace not in excluded:
+            excluded[workspace] = bool(workspace) and workspace_excluded(workspace, config)
+        if not excluded[workspace]:
+            out.append(sample_id)
+    return out
+
+
+def sample_rewards(store: Any, sample_ids: list[int]) -> dict[int, float]:
+    """The reward of each sample (see the module docstring); samples nothing covers are
+    left out."""
+    if not sample_ids:
+        return {}
+    marks = ",".join("?" * len(sample_ids))
+    rows = store.db.execute(
+        f"SELECT sa.id, t.rating, t.source, t.target_message_id IS NOT NULL AS specific, "
+        f"t.feedback_id FROM samples sa JOIN feedback_targets t ON t.session_id = sa.session_id "
+        f"AND (t.target_message_id IS NULL OR t.target_message_id = sa.message_id) "
+        f"WHERE sa.id IN ({marks})", sample_ids).fetchall()
+    explicit: dict[int, tuple] = {}
+    implicit: dict[int, float] = {}
+    for sid, rating, source, specific, fid in rows:
+        if source == names.EXPLICIT:
+            key = (specific, fid)                  # message over session, then the newest
+            if sid not in explicit or key > explicit[sid][0]:
+                explicit[sid] = (key, float(rating))
+        else:
+            weight = REWARD_WEIGHTS.get(source, PLUGIN_WEIGHT)
+            implicit[sid] = implicit.get(sid, 0.0) + rating * weight
+    out = {sid: max(-1.0, min(1.0, r)) for sid, r in implicit.items()}
+    out.update({sid: r for sid, (_, r) in explicit.items()})
+    return out

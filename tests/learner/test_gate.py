@@ -1,0 +1,84 @@
+"""The gate: regressions beyond their margins are rejected with every reason named, and
+(acceptance 3) a deliberately harmful update, thumbs up on sessions full of invalid tool
+calls, is rejected: the serving version stays and `learn status` says why."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_support import INVALID, SYSTEM, VALID, record_session, teach  # noqa: E402
+from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
+
+from agent_runtime.cli import main  # noqa: E402
+from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.store import SessionStore  # noqa: E402
+from learner.gate import GateConfig, GateMetrics, compare  # noqa: E402
+from learner.online import OnlineConfig, OnlineLearner, result_of  # noqa: E402
+from learner.tasks import generate  # noqa: E402
+
+SERVING = GateMetrics(n=10, pass_at_1=0.5, calls=40, invalid_rate=0.05, no_call_rate=0.1)
+
+
+def with_(**over):
+    return GateMetrics(**{**SERVING.__dict__, **over})
+
+
+def test_an_equal_candidate_passes():
+    assert compare(SERVING, with_(), GateConfig()).passed
+
+
+def test_a_pass_rate_drop_within_the_margin_passes():
+    assert compare(SERVING, with_(pass_at_1=0.45), GateConfig(pass_margin=0.05)).passed
+
+
+def test_a_pass_rate_drop_beyond_the_margin_is_rejected_and_named():
+    result = compare(SERVING, with_(pass_at_1=0.4), GateConfig(pass_margin=0.05))
+    assert not result.passed and "pass@1 0.500 -> 0.400" in result.reason
+
+
+def test_more_invalid_tool_calls_are_rejected():
+    result = compare(SERVING, with_(invalid_rate=0.2), GateConfig())
+    assert not result.passed and "invalid tool calls" in result.reason
+
+
+def test_asking_instead_of_acting_is_rejected():
+    result = compare(SERVING, with_(no_call_rate=0.5), GateConfig())
+    assert not result.passed and "without a tool call" in result.reason
+
+
+GATE = GateConfig(n_tasks=2, max_steps=2, max_new_tokens=48, concurrency=1)
+
+
+@pytest.fixture(scope="module")
+def tool_user(tmp_path_factory):
+    """A tiny checkpoint taught to answer the gate's held-out tasks with a valid tool call,
+    so that it has tool-call validity to lose."""
+    import torch
+    torch.set_num_threads(1)
+    ckpt = save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    prompts = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": t.instruction}]
+               for t in generate("heldout", GATE.n_tasks, seed=GATE.seed)]
+    teach(ckpt, load_policy(str(ckpt), dtype="bfloat16"), prompts, VALID, steps=30, lr=5e-3)
+    return ckpt
+
+
+def test_thumbs_up_on_invalid_tool_calls_is_rejected_and_shown(tool_user, home, one_thread):
+    policy = load_policy(str(tool_user), dtype="bfloat16")
+    with SessionStore() as store:
+        for task in generate("heldout", GATE.n_tasks, seed=GATE.seed):
+            sid = record_session(store, policy, task.instruction, INVALID)
+            store.add_feedback(1, session_id=sid)
+        config = OnlineConfig(model=str(tool_user), steps=4, max_update=0.0, gate=GATE)
+        config.trainer.optim.lr = 3e-3                # deliberately harmful: strong, uncapped
+        learner = OnlineLearner(store, config)
+        result = learner.run_cycle()
+        assert result.liked == GATE.n_tasks and result.version is None
+        assert learner.versions.latest().version == 1
+        row = result_of(store, result.cycle_id)
+        assert row["status"] == "rejected" and row["reason"].startswith("regressed: ")
+    out = CliRunner().invoke(main, ["learn", "status"]).output
+    assert "last cycle rejected" in out and row["reason"] in out

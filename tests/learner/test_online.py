@@ -1,0 +1,101 @@
+"""One learning cycle on a tiny checkpoint: what it trains on, the trust region, the
+baseline, staleness, and that a consumed sample is never trained on again."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_support import INVALID, VALID, record_session  # noqa: E402
+from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
+
+from agent_runtime.policy import load_policy  # noqa: E402
+from learner.gate import GateConfig  # noqa: E402
+from learner.online import OnlineConfig, OnlineLearner, _cap_update  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def policy(ckpt):
+    return load_policy(str(ckpt), dtype="bfloat16")
+
+
+def learner(store, ckpt, **over):
+    config = OnlineConfig(model=str(ckpt), gate=GateConfig(n_tasks=0), **over)
+    config.trainer.optim.lr = 1e-3
+    return OnlineLearner(store, config)
+
+
+def test_a_consumed_sample_is_never_trained_on_again(store, ckpt, policy):
+    sid = record_session(store, policy, "fix it", VALID)
+    store.add_feedback(1, session_id=sid)
+    online = learner(store, ckpt)
+    assert online.run_cycle().samples == 1
+    assert online.run_cycle().samples == 0
+
+
+def test_an_accepted_cycle_publishes_the_next_version(store, ckpt, policy):
+    store.add_feedback(1, session_id=record_session(store, policy, "fix it", VALID))
+    online = learner(store, ckpt)
+    assert online.run_cycle().version == 2 and online.versions.latest().version == 2
+
+
+def test_samples_of_versions_beyond_the_staleness_limit_are_dropped(store, ckpt, policy):
+    store.add_feedback(1, session_id=record_session(store, policy, "new", VALID, version=1))
+    online = learner(store, ckpt, max_staleness=0)
+    online.serving_state()                                  # v1: the base
+    state = dict(online.versions.state(1))
+    state["lm_head.weight"] = state["lm_head.weight"] * 2
+    online.versions.publish(state)                          # v2 serves
+    result = online.run_cycle()
+    assert (result.samples, result.gate["reason"]) == (0, "no sample carries a reward")
+
+
+def test_the_baseline_is_the_mean_reward_of_consumed_samples(store, ckpt, policy):
+    store.add_feedback(1, session_id=record_session(store, policy, "a", VALID))
+    store.add_feedback(1, session_id=record_session(store, policy, "b", VALID))
+    store.add_feedback(-1, session_id=record_session(store, policy, "c", INVALID))
+    online = learner(store, ckpt)
+    online.run_cycle()
+    assert online.baseline() == pytest.approx(1 / 3)
+
+
+def test_the_trust_region_scales_a_large_update_back_to_its_cap():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    serving = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    assert _cap_update(model, serving, 1e-2) == 1e-2
+    moved = sum(float((p.detach() - serving[n]).pow(2).sum())
+                for n, p in model.named_parameters())
+    size = sum(float(v.pow(2).sum()) for v in serving.values())
+    assert (moved / size) ** 0.5 == pytest.approx(1e-2, rel=1e-4)
+
+
+def test_a_small_update_is_left_as_it_is():
+    model = torch.nn.Linear(4, 4)
+    serving = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight[0, 0] += 1e-6
+    before = model.weight.detach().clone()
+    _cap_update(model, serving, 1e-2)
+    assert torch.equal(model.weight, before)
+
+
+def test_an_update_too_small_to_change_the_bf16_weights_publishes_nothing(store, ckpt, policy):
+    store.add_feedback(1, session_id=record_session(store, policy, "fix it", VALID))
+    online = learner(store, ckpt)
+    online.config.trainer.optim.lr = 1e-12
+    result = online.run_cycle()
+    assert result.version is None and "does not change" in result.gate["reason"]

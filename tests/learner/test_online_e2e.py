@@ -1,0 +1,72 @@
+"""Acceptance 1, end to end with a tiny checkpoint: real agent sessions (`apprentice run`),
+thumbs through `apprentice feedback`, one `apprentice learn online --once --json` cycle, and a
+runtime following the version server swaps to the published version."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
+from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
+
+from agent_runtime.cli import main  # noqa: E402
+from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.store import SessionStore  # noqa: E402
+from agent_runtime.subscriber import follow  # noqa: E402
+from learner.server import ServerConfig, VersionServer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def invoke(*args, code=0):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def session_of(output: str) -> str:
+    return json.loads(output.strip().splitlines()[-1])["session_id"]
+
+
+def test_thumbs_to_a_published_version_that_a_following_runtime_swaps_to(
+        ckpt, home, tmp_path, one_thread):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    liked = session_of(invoke("run", "Fix add in calc.py", "-w", ws, "--model", ckpt,
+                              "--max-steps", 1, "--json", code=2))
+    disliked = session_of(invoke("run", "Rename the module to maths", "-w", ws, "--model",
+                                 ckpt, "--max-steps", 1, "--json", code=2))
+    invoke("feedback", liked, "up")
+    invoke("feedback", disliked, "down", "--reason", "wrong_change")
+
+    server = VersionServer(home / "versions", ServerConfig(port=0, token="t")).start()
+    runtime = load_policy(str(ckpt), dtype="bfloat16", max_new_tokens=2)
+    following, subscriber = follow(runtime, server.url, "t", SessionStore(tmp_path / "rt"))
+    try:
+        out = json.loads(invoke("learn", "online", "--once", "--json", "--model", ckpt,
+                                "--lr", "1e-3", "--gate-tasks", 0))
+        assert set(out) == {"samples", "liked", "disliked", "version", "gate", "logprob_shift"}
+        assert (out["samples"], out["liked"], out["disliked"]) == (2, 1, 1)
+        assert out["gate"]["passed"] and out["version"] == 2
+        assert out["logprob_shift"]["liked"] > 0 > out["logprob_shift"]["disliked"]
+        wait_for(lambda: subscriber.staged == 2 or runtime.version == 2)
+        completion = following.complete([{"role": "user", "content": "hi"}])
+        assert completion.version == 2 and runtime.version == 2
+    finally:
+        subscriber.stop()
+        server.stop()

@@ -1,0 +1,210 @@
+"""Rewards from sentiment: what a rating covers, which rating wins, and the implicit signals
+derived from how a session went (real store, real agent runs with a scripted policy)."""
+
+import json
+
+import pytest
+
+from agent_runtime import names
+from agent_runtime.agent import Agent, AgentConfig
+from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.tools.base import ToolError
+from agent_runtime.tools.registry import default_tools
+from learner.sentiment import (DISSATISFIED, SignalConfig, derive_signals, rated_sample_ids,
+                               sample_rewards)
+
+
+def call(name, **arguments):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+EDIT = call("edit_file", path="calc.py", old="a - b", new="a + b")
+TEST = call("run_command", command="python -m pytest -q")
+FINISH = call("finish", summary="fixed")
+
+
+def session(store, n_calls=2):
+    """A finished user session with `n_calls` model calls; (session id, [(message, sample)])."""
+    sid = store.create_session("t", "ws", "m", 1)
+    out = []
+    for i in range(n_calls):
+        mid = store.add_message(sid, 0, "assistant", f"turn {i}")
+        out.append((mid, store.add_sample(sid, 0, mid, [1, 2], [3, 4], [-1.0, -1.0], None, 1)))
+        store.add_message(sid, 0, "tool", "ok", name="read_file")
+    store.set_status(sid, "finished")
+    return sid, out
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (ws / "test_calc.py").write_text("from calc import add\n\ndef test_add():\n"
+                                     "    assert add(2, 3) == 5\n")
+    return ws
+
+
+def run(store, workspace, script, **config):
+    agent = Agent(ReplayPolicy(script), store=store, workspace=workspace,
+                  config=AgentConfig(max_steps=5, **config))
+    return agent.run("fix add")
+
+
+def test_a_session_rating_covers_every_sample_of_the_session(store):
+    sid, turns = session(store)
+    store.add_feedback(1, session_id=sid)
+    assert sample_rewards(store, [s for _, s in turns]) == {turns[0][1]: 1.0, turns[1][1]: 1.0}
+
+
+def test_a_message_rating_covers_only_that_message_sample(store):
+    sid, turns = session(store)
+    store.add_feedback(-1, session_id=sid, message_id=turns[1][0])
+    assert rated_sample_ids(store) == [turns[1][1]]
+
+
+def test_rating_a_tool_result_covers_the_call_that_made_it(store):
+    sid, turns = session(store)
+    tool_message = store.messages(sid)[1]["id"]                  # the result of turn 0
+    store.add_feedback(-1, session_id=sid, message_id=tool_message)
+    assert sample_rewards(store, [s for _, s in turns]) == {turns[0][1]: -1.0}
+
+
+def test_a_message_rating_beats_the_session_rating(store):
+    sid, turns = session(store)
+    store.add_feedback(-1, session_id=sid, message_id=turns[0][0])
+    store.add_feedback(1, session_id=sid)
+    assert sample_rewards(store, [s for _, s in turns])[turns[0][1]] == -1.0
+
+
+def test_an_explicit_rating_overrides_implicit_signals(store):
+    sid, turns = session(store, 1)
+    store.add_feedback(1, session_id=sid, source=names.TESTS_GREEN)
+    store.add_feedback(-1, session_id=sid)
+    assert sample_rewards(store, [turns[0][1]]) == {turns[0][1]: -1.0}
+
+
+def test_implicit_signals_add_up_by_their_weights(store):
+    sid, turns = session(store, 1)
+    store.add_feedback(1, session_id=sid, source=names.TESTS_GREEN)
+    store.add_feedback(-1, session_id=sid, source=names.RUN_CANCELLED)
+    assert sample_rewards(store, [turns[0][1]]) == {turns[0][1]: 0.25}
+
+
+def test_eval_and_rollout_sessions_are_never_rated_samples(store):
+    for origin in (names.ORIGIN_EVAL, names.ORIGIN_ROLLOUT):
+        sid = store.create_session("t", "ws", "m", origin=origin)
+        mid = store.add_message(sid, 0, "assistant", "x")
+        store.add_sample(sid, 0, mid, [1], [2], [-1.0], None, 0)
+        store.add_feedback(1, session_id=sid)
+    assert rated_sample_ids(store) == []
+
+
+def test_an_excluded_session_is_never_a_rated_sample(store):
+    sid, _ = session(store)
+    store.set_learn(sid, False)
+    store.add_feedback(1, session_id=sid)
+    assert rated_sample_ids(store) == []
+
+
+def test_a_workspace_excluded_in_config_toml_is_skipped_even_for_old_sessions(store, tmp_path):
+    sid, _ = session(store)
+    store.add_feedback(1, session_id=sid)
+    ws = tmp_path / "ws"
+    ws.mkdir(exist_ok=True)
+    store.db.execute("UPDATE sessions SET workspace = ? WHERE id = ?", [str(ws), sid])
+    (store.home / "config.toml").write_text(f'[learning]\nexclude = ["{ws}"]\n')
+    assert rated_sample_ids(store) == []
+
+
+@pytest.mark.parametrize("text,dissatisfied", [
+    ("that's wrong, the function should add", True), ("Undo that please", True),
+    ("this broke the tests, revert it", True), ("not what I asked for", True),
+    ("great, now also add multiply", False), ("thanks! can you write a test", False),
+    ("find what is wrong in calc.py", False)])
+def test_dissatisfied_follow_ups_are_recognised_by_rules(text, dissatisfied):
+    assert bool(DISSATISFIED.search(text)) == dissatisfied
+
+
+def sources(store):
+    return sorted(f["source"] for f in store.feedback())
+
+
+def test_a_green_last_test_run_is_a_positive_signal(store, workspace):
+    run(store, workspace, [EDIT, TEST, FINISH])
+    derive_signals(store)
+    assert names.TESTS_GREEN in sources(store)
+
+
+def test_a_dissatisfied_follow_up_rates_the_turn_before_it(store, workspace):
+    result = run(store, workspace, [EDIT, FINISH])
+    agent = Agent(ReplayPolicy([FINISH]), store=store, workspace=workspace)
+    agent.resume(result.session_id, message="that's wrong, undo it")
+    derive_signals(store)
+    [row] = [f for f in store.feedback() if f["source"] == names.FOLLOWUP_DISSATISFIED]
+    assert row["rating"] == -1 and row["message_id"] is not None
+
+
+def test_a_declined_call_is_a_negative_signal_on_that_turn(store, workspace):
+    class Declining:
+        name, description, mutates = "edit_file", "edit", True
+        parameters = next(t for t in default_tools() if t.name == "edit_file").parameters
+
+        def __call__(self, args, ctx):
+            raise ToolError(f"{names.DECLINED_PREFIX} this edit_file call.")
+
+    tools = [Declining() if t.name == "edit_file" else t for t in default_tools()]
+    Agent(ReplayPolicy([EDIT, FINISH]), tools=tools, store=store, workspace=workspace,
+          config=AgentConfig(max_steps=5)).run("fix add")
+    derive_signals(store)
+    assert names.PERMISSION_REJECTED in sources(store)
+
+
+def test_a_declined_call_an_editor_already_recorded_counts_once(store, workspace):
+    class Declining:
+        name, description, mutates = "edit_file", "edit", True
+        parameters = next(t for t in default_tools() if t.name == "edit_file").parameters
+
+        def __call__(self, args, ctx):
+            raise ToolError(f"{names.DECLINED_PREFIX} this edit_file call.")
+
+    tools = [Declining() if t.name == "edit_file" else t for t in default_tools()]
+    result = Agent(ReplayPolicy([EDIT, FINISH]), tools=tools, store=store, workspace=workspace,
+                   config=AgentConfig(max_steps=5)).run("fix add")
+    asked = store.tool_calls(result.session_id)[0]["message_id"]
+    store.add_feedback(-1, session_id=result.session_id, message_id=asked,
+                       source=names.PERMISSION_REJECTED)            # as the ACP agent does
+    derive_signals(store)
+    assert sources(store).count(names.PERMISSION_REJECTED) == 1
+
+
+def test_a_plugin_s_source_counts_at_the_plugin_weight(store):
+    sid, turns = session(store, 1)
+    store.add_feedback(-1, session_id=sid, source="linter_failed")
+    assert sample_rewards(store, [turns[0][1]]) == {turns[0][1]: -0.5}
+
+
+def test_edits_still_in_place_at_the_next_session_are_kept(store, workspace):
+    run(store, workspace, [EDIT, FINISH])
+    run(store, workspace, [FINISH])                       # the next session in the workspace
+    derive_signals(store)
+    assert sources(store).count(names.EDIT_KEPT) == 1
+
+
+def test_edits_the_user_put_back_are_reverted(store, workspace):
+    before = (workspace / "calc.py").read_text()
+    run(store, workspace, [EDIT, FINISH])
+    (workspace / "calc.py").write_text(before)
+    derive_signals(store, SignalConfig(edit_delay_s=0))
+    assert names.EDIT_REVERTED in sources(store)
+
+
+def test_edits_wait_to_be_judged_until_a_later_session_or_the_delay(store, workspace):
+    run(store, workspace, [EDIT, FINISH])
+    assert derive_signals(store) == 0 and names.EDIT_KEPT not in sources(store)
+
+
+def test_signals_are_derived_once(store, workspace):
+    run(store, workspace, [EDIT, TEST, FINISH])
+    derive_signals(store, SignalConfig(edit_delay_s=0))
+    assert derive_signals(store, SignalConfig(edit_delay_s=0)) == 0
