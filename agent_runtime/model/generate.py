@@ -156,9 +156,9 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                 reasons[b] = "eos"
             elif p.stop:
                 text = decode(tokens[b])
-                hits = [text.find(s) for s in p.stop if s and s in text]
-                if hits:
-                    reasons[b], texts[b] = "stop", text[:min(hits)]
+                found = [text.find(s) for s in p.stop if s and s in text]
+                if found:
+                    reasons[b], texts[b] = "stop", text[:min(found)]
         if all(r is not None for r in reasons) or step == p.max_new_tokens - 1:
             break
         out = model(tok[:, None].to(dev), cache=cache)

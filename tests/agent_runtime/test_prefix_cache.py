@@ -132,3 +132,15 @@ def test_rows_that_begin_alike_prefill_their_common_prefix_once(model):
     group = [head + prompt(17, 3)] * 3        # 63 shared tokens, 60 of them cached: no prefill
     generate(model, group, GREEDY, prefix_cache=cache)
     assert cache.shared_prefills == 1
+
+
+def test_stop_strings_with_the_prefix_cache_on_match_an_uncached_generation(ckpt):
+    policy = load_policy(str(ckpt), temperature=0.0)
+    fresh = load_policy(str(ckpt), temperature=0.0, prefix_cache_mb=0)
+    ids = policy.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    policy.generate(ids, max_new_tokens=16, stop=["\n"])
+    assert policy.prefix_cache.entries
+    again = policy.generate(ids, max_new_tokens=16, stop=["\n"])
+    want = fresh.generate(ids, max_new_tokens=16, stop=["\n"])
+    assert policy.prefix_cache.hits == 1
+    assert (again.tokens, again.finish_reason, again.text) == (want.tokens, want.finish_reason, want.text)
