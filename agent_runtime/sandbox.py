@@ -13,7 +13,9 @@ only the head and the tail are kept in memory, the full output goes to a file in
 folder. Address space and process count are limited per command: process count through a
 per-command `pids` cgroup where this process may create one (root), else RLIMIT_NPROC set
 inside the sandbox's user namespace (which the kernel ignores for root). Commands see a
-minimal environment (PATH, HOME, LANG, TERM, ...), never the user's secrets.
+minimal environment (PATH, HOME, LANG, TERM, ...), never the user's secrets; Python writes
+its bytecode caches to the private tmp (PYTHONPYCACHEPREFIX), so running tests leaves no
+`__pycache__` folders in the workspace.
 
 This module does not parse commands, ask the user for approval, or keep shell state between
 commands (each command is a fresh `bash -c`; only files in the workspace and /tmp persist).
@@ -191,7 +193,9 @@ class Sandbox:
                "TMPDIR": tmp,
                "LANG": os.environ.get("LANG") or "C.UTF-8",
                "TERM": "dumb", "NO_COLOR": "1", "PAGER": "cat", "GIT_PAGER": "cat",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1",
+               # bytecode caches go to the private tmp, not as __pycache__ into the user's repo
+               "PYTHONPYCACHEPREFIX": f"{tmp}/pycache"}
         for name in ("LC_ALL", "LC_CTYPE", "TZ"):
             if name in os.environ:
                 env[name] = os.environ[name]

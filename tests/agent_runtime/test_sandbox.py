@@ -191,6 +191,13 @@ def test_exit_code_is_returned(any_sandbox):
     assert any_sandbox().run("echo out; echo err >&2; exit 3").exit_code == 3
 
 
+def test_running_python_leaves_no_bytecode_cache_in_the_workspace(any_sandbox, workspace):
+    (workspace / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    res = any_sandbox().run("python3 -c 'import calc; print(calc.add(2, 3))'")
+    assert res.output.strip() == "5"
+    assert not list(workspace.rglob("__pycache__")) and not list(workspace.rglob("*.pyc"))
+
+
 def test_environment_does_not_leak_secrets(any_sandbox, monkeypatch):
     monkeypatch.setenv("APPRENTICE_TEST_SECRET", "hunter2")
     res = any_sandbox().run("env")
