@@ -106,24 +106,15 @@ def hf_tokenizer(backend, template, **special):
 CASES = list(itertools.product(CONVERSATIONS, [None, TOOLS], [True, False]))
 
 
+@pytest.mark.parametrize("template", [DEFAULT_CHAT_TEMPLATE, COMPACT_CHAT_TEMPLATE],
+                         ids=["default", "compact"])
 @pytest.mark.parametrize("name,tools,generation", CASES)
-def test_default_template_matches_transformers(backend, name, tools, generation):
+def test_our_templates_match_transformers(backend, template, name, tools, generation):
     special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    hf = hf_tokenizer(backend, DEFAULT_CHAT_TEMPLATE, **special)
+    hf = hf_tokenizer(backend, template, **special)
     expected = hf.apply_chat_template(CONVERSATIONS[name], tools=tools, tokenize=False,
                                       add_generation_prompt=generation)
-    ours = ChatTemplate(DEFAULT_CHAT_TEMPLATE, special).render(
-        CONVERSATIONS[name], tools=tools, add_generation_prompt=generation)
-    assert ours == expected
-
-
-@pytest.mark.parametrize("name,tools,generation", CASES)
-def test_compact_template_matches_transformers(backend, name, tools, generation):
-    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    hf = hf_tokenizer(backend, COMPACT_CHAT_TEMPLATE, **special)
-    expected = hf.apply_chat_template(CONVERSATIONS[name], tools=tools, tokenize=False,
-                                      add_generation_prompt=generation)
-    ours = ChatTemplate(COMPACT_CHAT_TEMPLATE, special).render(
+    ours = ChatTemplate(template, special).render(
         CONVERSATIONS[name], tools=tools, add_generation_prompt=generation)
     assert ours == expected
 
