@@ -211,16 +211,22 @@ def sequence_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_size: int,
     targets are trained only where the mask marks a completion token."""
     def batch(step: int):
         rng = random.Random(seed * 1_000_003 + step)
-        picked = [seqs[rng.randrange(len(seqs))] for _ in range(batch_size)]
-        T = min(max_len, max(len(ids) for ids, _ in picked)) - 1
-        ids = torch.full((batch_size, T + 1), pad, dtype=torch.long)
-        mask = torch.zeros(batch_size, T + 1, dtype=torch.bool)
-        for b, (s, m) in enumerate(picked):
-            n = min(len(s), T + 1)
-            ids[b, :n] = torch.from_numpy(s[:n].astype(np.int64))
-            mask[b, :n] = torch.from_numpy(m[:n].astype(bool))
-        return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+        return _padded([seqs[rng.randrange(len(seqs))] for _ in range(batch_size)], max_len, pad)
     return batch
+
+
+def _padded(picked: list[tuple[np.ndarray, np.ndarray]], max_len: int, pad: int
+            ) -> tuple[torch.Tensor, ...]:
+    """The picked sequences right-padded (cut at `max_len`), as inputs, targets and the loss
+    mask of the targets."""
+    T = min(max_len, max(len(ids) for ids, _ in picked)) - 1
+    ids = torch.full((len(picked), T + 1), pad, dtype=torch.long)
+    mask = torch.zeros(len(picked), T + 1, dtype=torch.bool)
+    for b, (s, m) in enumerate(picked):
+        n = min(len(s), T + 1)
+        ids[b, :n] = torch.from_numpy(s[:n].astype(np.int64))
+        mask[b, :n] = torch.from_numpy(m[:n].astype(bool))
+    return ids[:, :-1], ids[:, 1:], mask[:, 1:]
 
 
 def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int, max_len: int,
@@ -241,15 +247,7 @@ def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int,
         epoch, k = divmod(step, len(groups))
         perm = list(range(len(groups)))
         random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-        picked = [seqs[i] for i in groups[perm[k]]]
-        T = min(max_len, max(len(ids) for ids, _ in picked)) - 1
-        ids = torch.full((len(picked), T + 1), pad, dtype=torch.long)
-        mask = torch.zeros(len(picked), T + 1, dtype=torch.bool)
-        for b, (s, m) in enumerate(picked):
-            n = min(len(s), T + 1)
-            ids[b, :n] = torch.from_numpy(s[:n].astype(np.int64))
-            mask[b, :n] = torch.from_numpy(m[:n].astype(bool))
-        return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+        return _padded([seqs[i] for i in groups[perm[k]]], max_len, pad)
     return batch
 
 
