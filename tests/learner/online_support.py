@@ -5,6 +5,7 @@ completion token ids, behaviour logprobs at temperature 1, the routes of every t
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -66,3 +67,11 @@ def teach(ckpt, policy, prompts: list[list[dict]], text: str, steps: int = 60,
             torch.nn.functional.cross_entropy(logits, torch.tensor(r["completion_ids"])).backward()
         opt.step()
     save_model(model.eval(), ckpt)
+
+
+def wait_for(predicate, timeout: float = 180.0, interval: float = 0.1) -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(interval)

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_support import VALID, record_session  # noqa: E402
+from online_support import VALID, record_session, wait_for  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.cli import main  # noqa: E402
@@ -23,13 +22,6 @@ from agent_runtime.policy import load_policy  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(predicate, timeout=180.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def latest(url: str) -> int | None:

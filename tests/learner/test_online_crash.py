@@ -8,14 +8,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_support import VALID, record_session  # noqa: E402
+from online_support import VALID, record_session, wait_for  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.policy import load_policy  # noqa: E402
@@ -24,13 +23,6 @@ from learner.online import HOLD_ENV  # noqa: E402
 from learner.versions import VersionStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(predicate, timeout=180.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def start_daemon(home: Path, ckpt: Path, hold: str | None = None) -> subprocess.Popen:

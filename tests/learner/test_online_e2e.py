@@ -4,13 +4,14 @@ runtime following the version server swaps to the published version."""
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_support import wait_for  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.cli import main  # noqa: E402
@@ -29,13 +30,6 @@ def invoke(*args, code=0):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == code, result.output
     return result.output
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def session_of(output: str) -> str:
@@ -64,7 +58,7 @@ def test_thumbs_to_a_published_version_that_a_following_runtime_swaps_to(
         assert (out["samples"], out["liked"], out["disliked"]) == (2, 1, 1)
         assert out["gate"]["passed"] and out["version"] == 2
         assert out["logprob_shift"]["liked"] > 0 > out["logprob_shift"]["disliked"]
-        wait_for(lambda: subscriber.staged == 2 or runtime.version == 2)
+        wait_for(lambda: subscriber.staged == 2 or runtime.version == 2, timeout=60.0, interval=0.02)
         completion = following.complete([{"role": "user", "content": "hi"}])
         assert completion.version == 2 and runtime.version == 2
     finally:
