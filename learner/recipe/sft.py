@@ -49,6 +49,8 @@ class SFTConfig:
     batch_tokens: int = 0           # else: steps of about this many tokens, sequences of like
                                     # length together (little padding), every sequence once an epoch
     max_len: int = 4096             # longer sequences are cut
+    rename: float = 0.0             # share of the sequences in each batch seen with their domain
+                                    # words renamed (`learner.recipe.augment`): copy, not recall
     device: str = "auto"            # "auto": cuda when available, else cpu
     seed: int = 0                   # episode windows and batch order
 
@@ -205,20 +207,28 @@ def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
 
 # -- training -----------------------------------------------------------------------------------
 
+Transform = Callable[[np.ndarray, np.ndarray, random.Random], tuple[np.ndarray, np.ndarray]]
+
+
 def sequence_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_size: int, max_len: int,
-                     pad: int, seed: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+                     pad: int, seed: int, transform: Transform | None = None
+                     ) -> Callable[[int], tuple[torch.Tensor, ...]]:
     """batch(step): `batch_size` sequences drawn by (seed, step), right-padded, shifted by one;
     targets are trained only where the mask marks a completion token."""
     def batch(step: int):
         rng = random.Random(seed * 1_000_003 + step)
-        return _padded([seqs[rng.randrange(len(seqs))] for _ in range(batch_size)], max_len, pad)
+        picked = [seqs[rng.randrange(len(seqs))] for _ in range(batch_size)]
+        return _padded(picked, max_len, pad, transform, rng)
     return batch
 
 
-def _padded(picked: list[tuple[np.ndarray, np.ndarray]], max_len: int, pad: int
+def _padded(picked: list[tuple[np.ndarray, np.ndarray]], max_len: int, pad: int,
+            transform: Transform | None = None, rng: random.Random | None = None
             ) -> tuple[torch.Tensor, ...]:
-    """The picked sequences right-padded (cut at `max_len`), as inputs, targets and the loss
-    mask of the targets."""
+    """The picked sequences (each passed through `transform` with `rng` first, if given)
+    right-padded (cut at `max_len`), as inputs, targets and the loss mask of the targets."""
+    if transform is not None:
+        picked = [transform(s, m, rng) for s, m in picked]
     T = min(max_len, max(len(ids) for ids, _ in picked)) - 1
     ids = torch.full((len(picked), T + 1), pad, dtype=torch.long)
     mask = torch.zeros(len(picked), T + 1, dtype=torch.bool)
@@ -230,7 +240,8 @@ def _padded(picked: list[tuple[np.ndarray, np.ndarray]], max_len: int, pad: int
 
 
 def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int, max_len: int,
-                   pad: int, seed: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+                   pad: int, seed: int, transform: Transform | None = None
+                   ) -> Callable[[int], tuple[torch.Tensor, ...]]:
     """batch(step): sequences of similar length (sorted, then cut into groups whose padded size
     stays within `batch_tokens`), groups in an order shuffled per epoch by (seed, epoch); each
     epoch shows every sequence once. Same output as `sequence_batches`."""
@@ -247,8 +258,23 @@ def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int,
         epoch, k = divmod(step, len(groups))
         perm = list(range(len(groups)))
         random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-        return _padded([seqs[i] for i in groups[perm[k]]], max_len, pad)
+        return _padded([seqs[i] for i in groups[perm[k]]], max_len, pad, transform,
+                       random.Random(seed * 1_000_003 + step + 1))
     return batch
+
+
+def _renaming(tok, seqs: list[tuple[np.ndarray, np.ndarray]], share: float) -> Transform:
+    """Rename a `share` of the sequences; the words of the episodes' shared system turn (the
+    harness: tool and argument names) are never renamed."""
+    from learner.recipe.augment import Renamer
+
+    ids = seqs[0][0].tolist()
+    harness = tok.decode(ids[:ids.index(tok.special_tokens["<|im_end|>"])])
+    renamer = Renamer(tok, harness)
+
+    def transform(ids: np.ndarray, mask: np.ndarray, rng: random.Random):
+        return renamer(ids, mask, rng) if rng.random() < share else (ids, mask)
+    return transform
 
 
 def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
@@ -264,10 +290,13 @@ def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
     if not seqs:
         raise ValueError(f"{data}: no SFT sequences")
     pad = tok.special_tokens["<|endoftext|>"]
+    transform = _renaming(tok, seqs, config.rename) if config.rename else None
     if config.batch_tokens:
-        batch = length_batches(seqs, config.batch_tokens, config.max_len, pad, config.seed)
+        batch = length_batches(seqs, config.batch_tokens, config.max_len, pad, config.seed,
+                               transform)
     else:
-        batch = sequence_batches(seqs, config.batch_size, config.max_len, pad, config.seed)
+        batch = sequence_batches(seqs, config.batch_size, config.max_len, pad, config.seed,
+                                 transform)
     result = train_lm(model, batch, config.train, out / "state", device, log=log)
     model.to("cpu")
     save_model(model, out / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)

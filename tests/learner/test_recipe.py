@@ -252,3 +252,40 @@ def test_head_on_the_mask_gives_the_logits_of_those_positions(tok_dir):
     at = torch.rand(2, 9) < 0.4
     full = model(ids).logits
     assert torch.allclose(model(ids, logits_at=at).logits, full[at], atol=1e-6)
+
+
+def test_renaming_is_consistent_lossless_and_keeps_the_harness(tok_dir, monkeypatch):
+    """A real oracle episode renamed and renamed back is the same tokens; the domain's words
+    are gone from every part of it, the harness and Python's own names are untouched, and the
+    trained tokens are the renamed completions."""
+    import re
+    from learner.recipe import sft
+    from learner.recipe.augment import Renamer
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    tok = load_tokenizer(tok_dir)
+    ids, mask = (np.asarray(a) for a in sft._collect_chunk((str(tok_dir), [2], [10**6], 0))["seqs"][0])
+    rng = random.Random(0)
+    pool = ["".join(rng.choice("bcdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
+            for _ in range(2000)]
+    harness = tok.decode(ids[:list(ids).index(tok.special_tokens["<|im_end|>"])].tolist())
+    renamer = Renamer(tok, harness, pool=pool)
+    runs = renamer.runs(ids, mask)
+    original = "".join(text for text, _ in runs)
+    present = [w for w in renamer.words if re.search(rf"(?<![A-Za-z0-9]){w}(?![A-Za-z0-9])", original)]
+    assert len(present) >= 3                                     # package, module, quantity
+    mapping = renamer.mapping(random.Random(1), set(re.findall(r"[a-z]+", original.lower())))
+    new_ids, new_mask = renamer.rename(runs, mapping)
+    renamed = tok.decode(new_ids.tolist())
+    for w in present:
+        assert not re.search(rf"(?<![A-Za-z0-9]){w}(?![A-Za-z0-9])", renamed), w
+        assert mapping[w] in renamed
+    assert renamed.startswith(harness)                            # tools and prompt untouched
+    assert renamed.count("<tool_call>") == original.count("<tool_call>")
+    assert renamed.count("def ") == original.count("def ") and "return" in renamed
+    trained = tok.decode(new_ids[new_mask.astype(bool)].tolist())
+    assert trained == "".join(renamer.text(t, mapping) for t, m in runs if m)
+    back = {v: k for k, v in mapping.items()}
+    pattern = re.compile(r"(?<![A-Za-z0-9])(" + "|".join(sorted(map(re.escape, back), key=len, reverse=True)) + r")(?![A-Za-z0-9])")
+    restored = [(pattern.sub(lambda m: back[m.group(1)], t), m) for t, m in renamer.runs(new_ids, new_mask)]
+    again_ids, again_mask = renamer.rename(restored, {})
+    assert again_ids.tolist() == ids.tolist() and again_mask.tolist() == mask.astype(bool).tolist()

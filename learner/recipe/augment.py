@@ -1,0 +1,131 @@
+"""Renaming augmentation for SFT sequences: the domain's words replaced by fresh ones.
+
+The simulated repositories draw their names (packages, modules, quantities, parameter names)
+from ten small training domains (`learner.tasks.vocab`). A small model trained on a few
+thousand such episodes learns the cheap answer first: recall a familiar name (`gradebook`,
+`stock_levels`) instead of reading the one the task and the tool results give it, which is
+useless on the held-out domains. Here every training sequence can be seen with its domain
+words consistently replaced, across the whole episode (task, tool results, the model's own
+calls), by words the model has no reason to expect, so the only way to write the right
+path or identifier is to copy it from the context.
+
+A word is renamed where it stands alone or as one `_`-separated part of an identifier
+(`serving` in `serving_stdev`), everywhere in the sequence, so the episode stays consistent:
+the renamed repository is one the oracle could have solved the same way. Words that are also
+Python keywords, builtins, standard-library modules or part of the harness (tool names,
+argument names, the system prompt) are never renamed, nor are held-out domains' words used
+as replacements.
+
+It does not generate episodes (`learner.recipe.sft.collect` does) or touch the stored data:
+renaming happens per batch, drawn from the batch's seed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+import random
+import re
+import sys
+
+import numpy as np
+
+from learner.tasks.vocab import DOMAINS
+
+# generic words in the domains' names that also carry meaning outside a domain: kept
+_KEEP = frozenset({"name", "text", "line", "note", "label", "summary", "title", "count",
+                   "counts", "step", "steps", "point", "points", "result", "results", "score",
+                   "scores", "reference", "description", "comment", "caption", "sessions",
+                   "tokens", "metrics", "documents", "progress", "daily", "sentence",
+                   "packages", "tracking", "activity", "goals", "shopping", "prep", "break",
+                   "length", "lengths", "sum", "data", "tools", "util", "reports"})
+
+
+def _parts(names) -> set[str]:
+    return {p for n in names for p in n.split("_") if len(p) >= 3}
+
+
+def domain_words(heldout: bool = False) -> set[str]:
+    """Every word of the training domains' names (or of the held-out ones)."""
+    words: set[str] = set()
+    for d in DOMAINS:
+        if d.heldout != heldout:
+            continue
+        words |= _parts(d.packages) | _parts(d.modules) | _parts(d.texts)
+        for q in d.quantities:
+            words |= _parts([q.plural, q.singular])
+    return words
+
+
+def _reserved(harness_text: str) -> set[str]:
+    return (set(keyword.kwlist) | set(dir(builtins)) | set(sys.stdlib_module_names)
+            | set(re.findall(r"[a-z]+", harness_text.lower())) | _KEEP)
+
+
+class Renamer:
+    """Renames the training domains' words in token sequences (see the module docstring).
+
+    `pool` is the replacement words: lower-case alphabetic words of the tokenizer's own
+    vocabulary (so a replacement costs few tokens), minus every reserved and domain word."""
+
+    def __init__(self, tokenizer, harness_text: str = "", pool=None, min_len: int = 3,
+                 max_len: int = 10):
+        self.tokenizer = tokenizer
+        reserved = _reserved(harness_text)
+        self.words = sorted(domain_words() - reserved, key=lambda w: (-len(w), w))
+        banned = reserved | domain_words() | domain_words(heldout=True)
+        if pool is None:
+            pool = (tokenizer.decode([i]).strip() for i in range(tokenizer.vocab_size))
+        self.pool = sorted({p for p in pool if p.isascii() and p.isalpha() and p.islower()
+                            and min_len <= len(p) <= max_len and p not in banned})
+        if len(self.pool) < 2 * len(self.words):
+            raise ValueError(f"tokenizer offers {len(self.pool)} replacement words for "
+                             f"{len(self.words)} domain words")
+        self._pattern = re.compile(r"(?<![A-Za-z0-9])(" + "|".join(map(re.escape, self.words))
+                                   + r")(?![A-Za-z0-9])")
+
+    def mapping(self, rng: random.Random, avoid: set[str] = frozenset()) -> dict[str, str]:
+        """A fresh one-to-one map of every domain word (one or two pool words joined by `_`),
+        to words not in `avoid` (the words already in the sequence)."""
+        taken: set[str] = set(avoid)
+        out = {}
+        for w in self.words:
+            while True:
+                new = rng.choice(self.pool)
+                if rng.random() < 0.3:
+                    new += "_" + rng.choice(self.pool)
+                parts = new.split("_")
+                if not taken.intersection(parts) and len(set(parts)) == len(parts):
+                    break
+            taken.update(parts)
+            out[w] = new
+        return out
+
+    def text(self, text: str, mapping: dict[str, str]) -> str:
+        return self._pattern.sub(lambda m: mapping.get(m.group(1), m.group(1)), text)
+
+    def runs(self, ids: np.ndarray, mask: np.ndarray) -> list[tuple[str, bool]]:
+        """The text of each run of equal mask values, and whether it is trained."""
+        edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+        return [(self.tokenizer.decode(ids[a:b].tolist()), bool(mask[a]))
+                for a, b in zip(np.r_[0, edges], np.r_[edges, len(ids)])]
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: random.Random
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """`ids` with its domain words renamed by a map drawn from `rng` (avoiding every word
+        already in the sequence), and the loss mask carried over."""
+        runs = self.runs(ids, mask)
+        avoid = {w for text, _ in runs for w in re.findall(r"[a-z]+", text.lower())}
+        return self.rename(runs, self.mapping(rng, avoid), ids.dtype, mask.dtype)
+
+    def rename(self, runs: list[tuple[str, bool]], mapping: dict[str, str], ids_dtype=np.int64,
+               mask_dtype=np.bool_) -> tuple[np.ndarray, np.ndarray]:
+        """The runs renamed by `mapping`, each encoded on its own (runs start and end at special
+        tokens, so their tokenization does not interact), with the mask carried over."""
+        out_ids: list[int] = []
+        out_mask: list[bool] = []
+        for text, trained in runs:
+            run = self.tokenizer.encode(self.text(text, mapping))
+            out_ids += run
+            out_mask += [trained] * len(run)
+        return np.asarray(out_ids, dtype=ids_dtype), np.asarray(out_mask, dtype=mask_dtype)
