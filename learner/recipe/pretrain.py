@@ -76,6 +76,8 @@ class PretrainConfig:
     heldout_bytes: int = 1_000_000  # held-out source bytes (perplexity)
     heldout_percent: int = 2        # must match the tokenizer stage's split
     seq_len: int = 2048             # tokens per training window
+    repeat_share: float = 0.0       # share of windows in which a span of the window's own text
+                                    # comes back later (`with_repeats`): copying from context
     batch_size: int = 32            # windows per step
     eval_windows: int = 64          # held-out windows scored for perplexity
     eval_every: int = 0             # steps between perplexity evaluations (0: at the end)
@@ -131,9 +133,11 @@ def _round_vocab(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def window_batches(data: np.ndarray, seq_len: int, batch_size: int, seed: int
+def window_batches(data: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                   repeat_share: float = 0.0
                    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """batch(step): `batch_size` random windows of `seq_len + 1` tokens, fixed by (seed, step)."""
+    """batch(step): `batch_size` random windows of `seq_len + 1` tokens, fixed by (seed, step);
+    a `repeat_share` of them pass through `with_repeats`."""
     tokens = torch.from_numpy(data.astype(np.int64))
     high = len(tokens) - seq_len - 1
     if high <= 0:
@@ -143,8 +147,47 @@ def window_batches(data: np.ndarray, seq_len: int, batch_size: int, seed: int
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, high, (batch_size,), generator=g)
         rows = torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()])
+        repeat = torch.rand(batch_size, generator=g) < repeat_share
+        for i in repeat.nonzero()[:, 0].tolist():
+            rows[i] = with_repeats(rows[i], g)
         return rows[:, :-1], rows[:, 1:], torch.ones(batch_size, seq_len, dtype=torch.bool)
     return batch
+
+
+def with_repeats(row: torch.Tensor, g: torch.Generator, spans: int = 3) -> torch.Tensor:
+    """`row` with up to `spans` of its own spans (16 to 128 tokens) written again further on.
+
+    Code repeats names a few times but rarely whole lines, so a model pre-trained on a small
+    corpus learns to recall its training text rather than to copy from its context, which is
+    what every task needs (the file it just read, the name in the request). A span that comes
+    back is predictable only by copying it."""
+    row = row.clone()
+    n = len(row)
+    for _ in range(spans):
+        length = int(torch.randint(16, 129, (1,), generator=g))
+        if 2 * length + 2 > n:
+            break
+        src = int(torch.randint(0, n - 2 * length, (1,), generator=g))
+        dst = int(torch.randint(src + length, n - length + 1, (1,), generator=g))
+        row[dst:dst + length] = row[src:src + length].clone()
+    return row
+
+
+@torch.no_grad()
+def copy_probe(model: MoEModel, data: np.ndarray, spans: int = 8, length: int = 100,
+               seed: int = 0) -> dict:
+    """Mean next-token loss (nats) on `spans` held-out spans of `length` tokens and on the same
+    spans written a second time right after: a model that copies from its context scores the
+    repeat far below the first copy (an untrained or recall-only one scores them alike)."""
+    model.eval()
+    tokens = torch.from_numpy(data.astype(np.int64))
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - length, (spans,), generator=g).tolist()
+    x = torch.stack([tokens[s:s + length] for s in starts])
+    ids = torch.cat([x, x], 1).to(model.embed_tokens.weight.device)
+    logp = model(ids).logits.float().log_softmax(-1)
+    nll = -logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return {"first": float(nll[:, :length - 1].mean()), "repeat": float(nll[:, length:].mean())}
 
 
 @torch.no_grad()
@@ -184,19 +227,21 @@ def run(tokenizer_dir: Path, corpus: Path, out: Path, config: PretrainConfig,
     data = np.load(corpus)
     train, heldout = data["train"], data["heldout"]
     model = init_model(config.shape, tok, config.seed)
-    batch = window_batches(train, config.seq_len, config.batch_size, config.seed)
+    batch = window_batches(train, config.seq_len, config.batch_size, config.seed,
+                           config.repeat_share)
 
     def evaluate() -> dict:
-        return {"heldout_ppl": perplexity(model, heldout, config.seq_len, config.eval_windows, device)}
+        return {"heldout_ppl": perplexity(model, heldout, config.seq_len, config.eval_windows, device),
+                "copy_probe": copy_probe(model, heldout)}
 
     result = train_lm(model, batch, config.train, out / "state", device, evaluate,
                       config.eval_every, log)
-    ppl = evaluate()["heldout_ppl"]
+    final = evaluate()
     model.to("cpu")
     save_model(model, out / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)
     copy_tokenizer(tokenizer_dir, out / "model")
     params = sum(p.numel() for p in model.parameters())
-    return {"heldout_ppl": ppl, "heldout_tokens": int(heldout.size), "train_tokens": int(train.size),
+    return {**final, "heldout_tokens": int(heldout.size), "train_tokens": int(train.size),
             "params": params, "device": device, "shape": asdict(config.shape),
             "tokens_seen": result["steps"] * config.batch_size * config.seq_len,
             "seconds": result["seconds"], "steps": result["steps"], "history": result["history"]}

@@ -122,9 +122,16 @@ def _sft_data(out: Path, config: RecipeConfig, log) -> dict:
 
 
 def _sft(out: Path, config: RecipeConfig, log) -> dict:
+    import numpy as np
+
+    from agent_runtime.model import load_model
     from learner.recipe import sft
-    return sft.run(out / "pretrain" / "model", out / "sft_data" / "data.npz", out / "sft",
-                   config.sft, log)
+    from learner.recipe.pretrain import copy_probe
+    metrics = sft.run(out / "pretrain" / "model", out / "sft_data" / "data.npz", out / "sft",
+                      config.sft, log)
+    heldout = np.load(out / "corpus" / "corpus.npz")["heldout"]
+    metrics["copy_probe"] = copy_probe(load_model(out / "sft" / "model", dtype="float32"), heldout)
+    return metrics
 
 
 def _grpo(out: Path, config: RecipeConfig, log) -> dict:

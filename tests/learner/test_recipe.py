@@ -15,7 +15,8 @@ from agent_runtime.model import load_model, load_tokenizer
 from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
 from learner.recipe import tokenizer_stage as ts
 from learner.recipe.lm import LMConfig, train_lm
-from learner.recipe.pretrain import ModelShape, PretrainConfig, init_model, window_batches
+from learner.recipe.pretrain import (ModelShape, PretrainConfig, init_model, window_batches,
+                                     with_repeats)
 from learner.recipe.sft import merge_samples
 
 CODE = "".join(Path(m.__file__).read_text() for m in (json, random, ts))
@@ -155,6 +156,22 @@ def test_sft_data_comes_from_the_real_agent_loop(tok_dir, tmp_path, monkeypatch)
     assert '"name": "finish"' in trained and "<tool_response>" not in trained
 
 
+def test_repeated_spans_copy_the_window_itself_and_are_fixed_by_the_step():
+    row = torch.arange(1000, 1300)
+    out = with_repeats(row, torch.Generator().manual_seed(3))
+    assert torch.equal(out, with_repeats(row, torch.Generator().manual_seed(3)))
+    changed = (out != row).nonzero()[:, 0].tolist()
+    assert changed                                  # arange has no repeats of its own
+    # a changed position holds a token from earlier in the window (the source of its span)
+    assert all(int(out[p]) - 1000 < p for p in changed)
+    assert len(changed) >= 16                       # at least one whole span
+    data = np.arange(5000, dtype=np.uint16)
+    plain, mixed = window_batches(data, 256, 8, 0), window_batches(data, 256, 8, 0, repeat_share=1.0)
+    x, y, _ = mixed(7)
+    assert torch.equal(x[:, 1:], y[:, :-1])         # targets stay the inputs shifted by one
+    assert not torch.equal(x, plain(7)[0]) and torch.equal(mixed(7)[0], x)
+
+
 def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir, tmp_path):
     from learner.recipe import RecipeConfig, run_recipe
     out = tmp_path / "recipe"
@@ -170,6 +187,8 @@ def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir
         seq_len=32, batch_size=2, eval_windows=4, device="cpu"))
     first = run_recipe(out, config, ("pretrain",), log=lambda s: None)["pretrain"]
     assert first["heldout_ppl"] > 1 and first["steps"] == 3
+    assert set(first["copy_probe"]) == {"first", "repeat"}
+    assert all(np.isfinite(v) and v > 0 for v in first["copy_probe"].values())
     model = load_model(out / "pretrain" / "model")
     assert model.args.num_experts == 8 and model.args.top_k == 2 and model.dtype == torch.bfloat16
     assert load_tokenizer(out / "pretrain" / "model").vocab_size == tok.vocab_size
