@@ -32,7 +32,7 @@ from learner.recipe.tokenizer_stage import TokenizerConfig
 # CPU-sized pre-training never sees most tokens often enough to learn.
 DEFAULT_SHAPE = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
                            head_dim=64, num_experts=8, top_k=2, expert_size=256,
-                           tie_embeddings=True)
+                           tie_embeddings=True, previous_token_head=True)
 
 
 def default_recipe() -> RecipeConfig:

@@ -172,6 +172,27 @@ def test_repeated_spans_copy_the_window_itself_and_are_fixed_by_the_step():
     assert not torch.equal(x, plain(7)[0]) and torch.equal(mixed(7)[0], x)
 
 
+def test_wired_previous_token_head_attends_one_back_in_transformers(tok_dir, tmp_path):
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+    from agent_runtime.model import save_model
+    model = init_model(replace(TINY, previous_token_head=True, tie_embeddings=True),
+                       load_tokenizer(tok_dir), seed=0)
+    save_model(model, tmp_path / "m", dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32,
+                                              attn_implementation="eager")
+    ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        attn = hf(ids, output_attentions=True).attentions[0][:, 0]    # layer 0, head 0 [B, T, T]
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    back = attn.diagonal(offset=-1, dim1=1, dim2=2)                      # [B, T-1]
+    assert back.min() > 0.99
+    plain = init_model(TINY, load_tokenizer(tok_dir), seed=0)
+    assert not torch.equal(plain.layers[0].self_attn.q_proj.weight,
+                           model.layers[0].self_attn.q_proj.weight)
+
+
 def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir, tmp_path):
     from learner.recipe import RecipeConfig, run_recipe
     out = tmp_path / "recipe"
