@@ -318,8 +318,12 @@ def report(run_dir: Path | None, out: Path | None) -> None:
               help="Processes collecting oracle episodes and running evaluation episodes.")
 @click.option("--max-minutes", type=click.FloatRange(0), default=None,
               help="Wall-time cap of each training stage (pretrain, sft, grpo); 0 = none.")
+@click.option("--ship", is_flag=True,
+              help="Then make the newest model the package's default model "
+                   "(agent_runtime/assets/default, with recipe.json: what made it).")
 def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
-           eval_n: int | None, processes: int | None, max_minutes: float | None) -> None:
+           eval_n: int | None, processes: int | None, max_minutes: float | None,
+           ship: bool) -> None:
     """Make a default policy from scratch: tokenizer, pre-training, SFT, GRPO, eval."""
     from agent_runtime.store import default_home
     from learner.eval import format_comparison
@@ -344,3 +348,8 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
     if ev:
         click.echo(format_comparison(ev))
     click.echo(f"recipe folder: {out_dir}")
+    if ship:
+        from agent_runtime.policy import DEFAULT_MODEL_DIR
+        from learner.recipe.ship import ship as ship_model
+        src = ship_model(out_dir, DEFAULT_MODEL_DIR)
+        click.echo(f"shipped {src} -> {DEFAULT_MODEL_DIR}")

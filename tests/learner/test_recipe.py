@@ -217,6 +217,19 @@ def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir
     run_recipe(out, config, ("pretrain",), log=lines.append)
     assert any("skipped" in line for line in lines)
 
+    from agent_runtime.policy import load_policy
+    from learner.recipe.ship import ship
+    dest = tmp_path / "assets" / "default"
+    dest.mkdir(parents=True)
+    (dest / "stale.safetensors").write_bytes(b"old")
+    assert ship(out, dest) == out / "pretrain" / "model"
+    assert not (dest / "stale.safetensors").exists()
+    record = json.loads((dest / "recipe.json").read_text())
+    assert record["model"] == "pretrain/model"
+    assert record["stages"]["pretrain"]["steps"] == 3 and "history" not in record["stages"]["pretrain"]
+    policy = load_policy(str(dest))
+    assert policy.model.args.num_experts == 8
+
 
 def test_oracle_summary_has_the_requested_sections_and_next_edit():
     from agent_runtime.context import DEFAULT_SUMMARY_INSTRUCTION
