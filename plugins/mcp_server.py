@@ -75,6 +75,7 @@ class Delegate:
         from mcp.server.mcpserver.exceptions import ToolError
 
         from agent_runtime.agent import Agent, AgentConfig, Callbacks
+        from agent_runtime.learning import session_learns
         from agent_runtime.store import SessionStore
         if not task.strip():
             raise ToolError("task is empty")
@@ -87,7 +88,8 @@ class Delegate:
 
         with SessionStore() as store:
             agent = Agent(self.policy(), store=store, workspace=root,
-                          config=AgentConfig(max_steps=max_steps or self.config.max_steps),
+                          config=AgentConfig(max_steps=max_steps or self.config.max_steps,
+                                             learn=session_learns(store.home, root)),
                           callbacks=Callbacks(on_tool_end=on_tool_end))
             result = agent.run(task)
         return TaskResult(status=result.status, summary=result.summary or "",

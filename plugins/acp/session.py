@@ -26,6 +26,7 @@ from acp.schema import PermissionOption, ToolCallLocation, ToolCallUpdate
 from agent_runtime.agent import Agent, AgentConfig, Callbacks, RunResult
 from agent_runtime.approvals import (ALWAYS, COMMAND_TOOLS, EDIT_TOOLS, NO, REJECTED_SOURCE,
                                      YES, ApprovalGate, ApprovalStore, Request)
+from agent_runtime.learning import session_learns
 from agent_runtime.toolcalls import visible_text
 from agent_runtime.tools.base import ToolContext, ToolError, ToolResult
 from agent_runtime.tools.files import DiskFiles
@@ -266,8 +267,10 @@ class AcpSession:
 
     def run(self, text: str) -> RunResult:
         """One prompt to its end (worker thread): a new session first, a resumed one after."""
+        learn = session_learns(self.store.home, self.workspace)   # the workspace's opt-out
         self.agent = Agent(self.policy, tools=self.tools, store=self.store,
-                           workspace=self.workspace, config=AgentConfig(max_steps=self.max_steps),
+                           workspace=self.workspace,
+                           config=AgentConfig(max_steps=self.max_steps, learn=learn),
                            callbacks=self.callbacks(), cancel_event=self.gate.cancel_event)
         self._raw, self._sent = "", 0
         if self.started:

@@ -64,6 +64,14 @@ def test_a_rejected_edit_leaves_the_file(tmp_path, workspace):
     assert "a - b" in (workspace / "calc.py").read_text()
 
 
+def test_an_editor_session_in_an_opted_out_workspace_is_never_learned_from(tmp_path, workspace):
+    (workspace / ".apprentice-no-learn").write_text("")
+    _, (session_id, _) = drive(tmp_path, [EDIT, FINISH], prompt_once(workspace),
+                               RecordingClient(["allow_once"]))
+    with SessionStore(tmp_path / "home") as store:
+        assert store.get_session(session_id)["learn"] is False
+
+
 def test_a_rejection_is_recorded_as_implicit_feedback(tmp_path, workspace):
     _, (session_id, _) = drive(tmp_path, [EDIT, FINISH], prompt_once(workspace),
                                RecordingClient(["reject_once"]))

@@ -67,6 +67,15 @@ def test_run_task_is_an_ordinary_session_in_the_store(served, home):
         assert store.get_session(result.structured_content["session_id"])["task"] == "fix add"
 
 
+def test_a_workspace_that_opted_out_is_never_learned_from(served, home):
+    params, root = served
+    (root / "repo" / ".apprentice-no-learn").write_text("")
+    result = asyncio.run(_session(params, lambda c: c.call_tool(
+        "run_task", {"task": "fix add", "workspace": "repo"})))
+    with SessionStore(home) as store:
+        assert store.get_session(result.structured_content["session_id"])["learn"] is False
+
+
 def test_a_workspace_outside_the_root_is_a_tool_error_and_the_server_keeps_serving(served):
     params, _ = served
 
