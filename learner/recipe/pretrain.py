@@ -80,6 +80,8 @@ class PretrainConfig:
     seq_len: int = 2048             # tokens per training window
     repeat_share: float = 0.0       # share of windows in which a span of the window's own text
                                     # comes back later (`with_repeats`): copying from context
+    copy_share: float = 0.0         # share of windows made of random spans each written twice,
+                                    # trained on the second copy only (`copy_window`)
     batch_size: int = 32            # windows per step
     eval_windows: int = 64          # held-out windows scored for perplexity
     eval_every: int = 0             # steps between perplexity evaluations (0: at the end)
@@ -181,11 +183,13 @@ def _round_vocab(n: int) -> int:
 
 
 def window_batches(data: np.ndarray, seq_len: int, batch_size: int, seed: int,
-                   repeat_share: float = 0.0
+                   repeat_share: float = 0.0, copy_share: float = 0.0
                    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """batch(step): `batch_size` random windows of `seq_len + 1` tokens, fixed by (seed, step);
-    a `repeat_share` of them pass through `with_repeats`."""
+    a `repeat_share` of them pass through `with_repeats`, a `copy_share` of them are replaced
+    by `copy_window` rows (loss on their second copies only)."""
     tokens = torch.from_numpy(data.astype(np.int64))
+    vocab = torch.from_numpy(np.unique(data).astype(np.int64)) if copy_share else None
     high = len(tokens) - seq_len - 1
     if high <= 0:
         raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one window ({seq_len + 1})")
@@ -197,8 +201,34 @@ def window_batches(data: np.ndarray, seq_len: int, batch_size: int, seed: int,
         repeat = torch.rand(batch_size, generator=g) < repeat_share
         for i in repeat.nonzero()[:, 0].tolist():
             rows[i] = with_repeats(rows[i], g)
-        return rows[:, :-1], rows[:, 1:], torch.ones(batch_size, seq_len, dtype=torch.bool)
+        mask = torch.ones(batch_size, seq_len + 1, dtype=torch.bool)
+        copy = torch.rand(batch_size, generator=g) < copy_share
+        for i in copy.nonzero()[:, 0].tolist():
+            rows[i], mask[i] = copy_window(vocab, seq_len + 1, g)
+        return rows[:, :-1], rows[:, 1:], mask[:, 1:]
     return batch
+
+
+def copy_window(ids: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` tokens of random spans (16 to 128 tokens, each drawn uniformly from `ids`) each
+    followed by itself, and the mask of the second copies.
+
+    The first copy of a span is unpredictable and the second is predictable only by copying,
+    so these rows are the plainest signal for the matching half of an induction head, the
+    mechanism that lets a model repeat a path or a name it has just read. Uniform draws make
+    every match unambiguous (spans drawn from running text repeat its common tokens, whose
+    earlier occurrences point everywhere). The first copies are not trained on."""
+    row = torch.empty(n, dtype=torch.long)
+    mask = torch.zeros(n, dtype=torch.bool)
+    at = 0
+    while at < n:
+        length = int(torch.randint(16, 129, (1,), generator=g))
+        span = ids[torch.randint(0, len(ids), (length,), generator=g)]
+        pair = torch.cat([span, span])[:n - at]
+        row[at:at + len(pair)] = pair
+        mask[at + length:at + len(pair)] = True
+        at += len(pair)
+    return row, mask
 
 
 def with_repeats(row: torch.Tensor, g: torch.Generator, spans: int = 3) -> torch.Tensor:
@@ -223,18 +253,25 @@ def with_repeats(row: torch.Tensor, g: torch.Generator, spans: int = 3) -> torch
 @torch.no_grad()
 def copy_probe(model: MoEModel, data: np.ndarray, spans: int = 8, length: int = 100,
                seed: int = 0) -> dict:
-    """Mean next-token loss (nats) on `spans` held-out spans of `length` tokens and on the same
-    spans written a second time right after: a model that copies from its context scores the
-    repeat far below the first copy (an untrained or recall-only one scores them alike)."""
+    """Mean next-token loss (nats) on `spans` held-out spans of `length` tokens ("first") and
+    on the same spans written a second time right after ("repeat"), and on the second copy of
+    spans of tokens drawn uniformly from the held-out ids ("random_repeat"; the first copy of
+    those scores about log(ids)): a model that copies from its context scores a repeat far
+    below its first copy (an untrained or recall-only one scores them alike)."""
     model.eval()
     tokens = torch.from_numpy(data.astype(np.int64))
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(tokens) - length, (spans,), generator=g).tolist()
     x = torch.stack([tokens[s:s + length] for s in starts])
-    ids = torch.cat([x, x], 1).to(model.embed_tokens.weight.device)
-    logp = model(ids).logits.float().log_softmax(-1)
-    nll = -logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    return {"first": float(nll[:, :length - 1].mean()), "repeat": float(nll[:, length:].mean())}
+    ids = torch.from_numpy(np.unique(data).astype(np.int64))
+    r = ids[torch.randint(0, len(ids), (spans, length), generator=g)]
+    batch = torch.cat([torch.cat([x, x], 1), torch.cat([r, r], 1)])
+    batch = batch.to(model.embed_tokens.weight.device)
+    logp = model(batch).logits.float().log_softmax(-1)
+    nll = -logp[:, :-1].gather(-1, batch[:, 1:, None])[..., 0]
+    return {"first": float(nll[:spans, :length - 1].mean()),
+            "repeat": float(nll[:spans, length:].mean()),
+            "random_repeat": float(nll[spans:, length:].mean())}
 
 
 @torch.no_grad()
@@ -275,7 +312,7 @@ def run(tokenizer_dir: Path, corpus: Path, out: Path, config: PretrainConfig,
     train, heldout = data["train"], data["heldout"]
     model = init_model(config.shape, tok, config.seed)
     batch = window_batches(train, config.seq_len, config.batch_size, config.seed,
-                           config.repeat_share)
+                           config.repeat_share, config.copy_share)
 
     def evaluate() -> dict:
         return {"heldout_ppl": perplexity(model, heldout, config.seq_len, config.eval_windows, device),

@@ -16,7 +16,7 @@ from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
 from learner.recipe import tokenizer_stage as ts
 from learner.recipe.lm import LMConfig, train_lm
 from learner.recipe.pretrain import (ModelShape, PretrainConfig, init_model, window_batches,
-                                     with_repeats)
+                                     copy_window, with_repeats)
 from learner.recipe.sft import merge_samples
 
 CODE = "".join(Path(m.__file__).read_text() for m in (json, random, ts))
@@ -172,6 +172,25 @@ def test_repeated_spans_copy_the_window_itself_and_are_fixed_by_the_step():
     assert not torch.equal(x, plain(7)[0]) and torch.equal(mixed(7)[0], x)
 
 
+def test_copy_windows_train_only_on_second_copies_of_their_spans():
+    data = np.arange(5000, dtype=np.uint16)
+    x, y, mask = window_batches(data, 512, 4, 0, copy_share=1.0)(3)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for m in mask:
+        assert 0 < int(m.sum()) < len(m)            # first copies are not trained
+    row, m = copy_window(torch.arange(100, 5000), 700, torch.Generator().manual_seed(1))
+    at = 0
+    while at < len(row):                            # walk the pairs: span, then itself again
+        length = next(L for L in range(16, 129) if not m[at + L - 1] and
+                      (at + L >= len(row) or m[at + L]))
+        second = row[at + length:at + 2 * length]
+        assert torch.equal(second, row[at:at + len(second)])
+        assert m[at + length:at + 2 * length].all() and not m[at:at + length].any()
+        at += 2 * length
+    plain = window_batches(data, 512, 4, 0)(3)[2]
+    assert plain.all()
+
+
 def test_wired_previous_token_head_attends_one_back_in_transformers(tok_dir, tmp_path):
     from dataclasses import replace
 
@@ -208,7 +227,7 @@ def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir
         seq_len=32, batch_size=2, eval_windows=4, device="cpu"))
     first = run_recipe(out, config, ("pretrain",), log=lambda s: None)["pretrain"]
     assert first["heldout_ppl"] > 1 and first["steps"] == 3
-    assert set(first["copy_probe"]) == {"first", "repeat"}
+    assert set(first["copy_probe"]) == {"first", "repeat", "random_repeat"}
     assert all(np.isfinite(v) and v > 0 for v in first["copy_probe"].values())
     model = load_model(out / "pretrain" / "model")
     assert model.args.num_experts == 8 and model.args.top_k == 2 and model.dtype == torch.bfloat16
