@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from agent_runtime.model.fast_decode import stepper
 from agent_runtime.model.model import KVCache, MoEModel
 from agent_runtime.model.prefix_cache import Prefix, PrefixCache, common_prefix
 
@@ -133,6 +134,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     reasons: list[str | None] = [None] * B
     texts: list[str | None] = [None] * B
     stop_ids = set(p.stop_token_ids)
+    fast = stepper(model)                             # the same step in C++, when it can
     for step in range(p.max_new_tokens):
         if should_stop is not None and should_stop():
             reasons = [r or "cancelled" for r in reasons]
@@ -161,7 +163,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                     reasons[b], texts[b] = "stop", text[:min(found)]
         if all(r is not None for r in reasons) or step == p.max_new_tokens - 1:
             break
-        out = model(tok[:, None].to(dev), cache=cache)
+        out = fast(tok, cache) if fast is not None else model(tok[:, None].to(dev), cache=cache)
         if out.routes is not None:
             route_chunks.append(out.routes.to(_route_dtype(model)).cpu())
     routes = torch.cat(route_chunks, dim=1) if route_chunks else None     # [B, S + steps, L, k]

@@ -1,0 +1,165 @@
+// One decode step of `MoEModel` (one new token per row, KV cache in place) as a single C++
+// call. It issues the same ATen operations, in the same order and with the same arguments, as
+// `MoEModel.forward` does for a one-token step, so its logits and routes are bitwise those of
+// the Python path; what it removes is the interpreter between ~70 small operations per layer.
+// Supported: every layer MoE, softmax-then-top-k routing, q/k norm per head or none, no
+// shared expert, no multipliers (see `fast_decode.supported`).
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace {
+
+struct Shape {
+  int64_t heads, kv_heads, head_dim, top_k;
+  bool norm_topk, upcast;  // upcast: half-precision matmuls of >= 5 rows run in fp32
+  double eps, scale;
+};
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                  const Shape& s) {
+  bool half = w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
+  if (s.upcast && half && x.numel() >= 5 * x.size(-1)) {
+    auto bias = b.has_value() ? c10::optional<at::Tensor>(b->to(at::kFloat)) : c10::nullopt;
+    return at::linear(x.to(at::kFloat), w.to(at::kFloat), bias).to(x.scalar_type());
+  }
+  return at::linear(x, w, b);
+}
+
+at::Tensor rms_normalize(const at::Tensor& x, double eps) {
+  auto xf = x.to(at::kFloat);
+  return (xf * xf.pow(2).mean(-1, true).add_(eps).rsqrt_()).to(x.scalar_type());
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return at::cat({halves[1].neg(), halves[0]}, -1);
+}
+
+at::Tensor expert(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                  const Shape& s) {
+  auto gu = linear(x, gate_up, c10::nullopt, s).chunk(2, -1);
+  return linear(at::silu(gu[0]) * gu[1], down, c10::nullopt, s);
+}
+
+// Experts.forward: top-k expert MLPs per row, weighted and summed.
+at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                   const at::Tensor& gate_up, const at::Tensor& down, const Shape& s) {
+  int64_t N = idx.size(0), k = idx.size(1);
+  if (N == 1) {
+    auto ids = idx.accessor<int64_t, 2>();
+    auto wf = w.to(at::kDouble).contiguous();   // Tensor.tolist() gives Python floats (doubles)
+    auto ws = wf.accessor<double, 2>();
+    at::Tensor out;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t e = ids[0][j];
+      auto y = expert(x, gate_up[e], down[e], s) * ws[0][j];
+      out = j == 0 ? y : out + y;
+    }
+    return out;
+  }
+  auto flat = idx.reshape(-1);
+  auto order = at::argsort(flat, true, 0, false);
+  auto counts_t = at::bincount(flat, {}, gate_up.size(0));
+  auto counts = counts_t.accessor<int64_t, 1>();
+  auto token = at::floor_divide(order, k);
+  auto xs = x.index({token});
+  auto ys = at::empty_like(xs);
+  int64_t start = 0;
+  for (int64_t e = 0; e < gate_up.size(0); ++e) {
+    int64_t n = counts[e];
+    if (n) {
+      ys.slice(0, start, start + n).copy_(expert(xs.slice(0, start, start + n), gate_up[e], down[e], s));
+      start += n;
+    }
+  }
+  ys = ys * w.reshape(-1).index({order}).unsqueeze(-1).to(ys.scalar_type());
+  return at::zeros_like(x).index_add_(0, token, ys);
+}
+
+}  // namespace
+
+// tokens [B] long; past: columns already in the cache; valid [B, max_len] bool (the cache's
+// key padding, updated here); cos/sin [max_position, D] tables; layers: 10 tensors per layer
+// (input norm, q, k, v, o, q/k-norm weight [h + kv, D] or undefined, post norm, router,
+// gate_up, down); biases: 4 per layer (q, k, v, o; each may be None); k_cache/v_cache: per
+// layer [B, kv, max_len, D]. Returns (logits [B, 1, V], routes [B, 1, L, k]).
+std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::Tensor valid,
+                                    const at::Tensor& cos_table, const at::Tensor& sin_table,
+                                    const at::Tensor& embed, const at::Tensor& final_norm,
+                                    const at::Tensor& lm_head,
+                                    const std::vector<c10::optional<at::Tensor>>& layers,
+                                    const std::vector<c10::optional<at::Tensor>>& biases,
+                                    const std::vector<at::Tensor>& k_cache,
+                                    const std::vector<at::Tensor>& v_cache, int64_t heads,
+                                    int64_t kv_heads, int64_t head_dim, int64_t top_k,
+                                    bool norm_topk, bool upcast, double eps, double scale) {
+  at::NoGradGuard no_grad;
+  const Shape s{heads, kv_heads, head_dim, top_k, norm_topk, upcast, eps, scale};
+  const int64_t B = tokens.size(0), D = head_dim, group = heads / kv_heads;
+  const int64_t L = static_cast<int64_t>(k_cache.size());
+  bool padded = past > 0 && !valid.slice(1, 0, past).all().item<bool>();
+  valid.select(1, past).fill_(true);
+  at::Tensor positions;
+  if (padded) {
+    positions = (valid.slice(1, 0, past + 1).to(at::kLong).cumsum(-1).slice(1, past) - 1).clamp_min(0);
+  } else {
+    positions = at::arange(past, past + 1, tokens.options()).expand({B, 1});
+  }
+  auto x = at::embedding(embed, tokens.view({B, 1}));
+  auto cos = cos_table.index({positions}).unsqueeze(1);
+  auto sin = sin_table.index({positions}).unsqueeze(1);
+  c10::optional<at::Tensor> mask;
+  if (padded) mask = valid.slice(1, 0, past + 1).unsqueeze(1).unsqueeze(1).contiguous();
+  std::vector<at::Tensor> routes;
+  for (int64_t l = 0; l < L; ++l) {
+    const c10::optional<at::Tensor>* p = &layers[10 * l];
+    const at::Tensor& in_norm = *p[0]; const at::Tensor& wq = *p[1]; const at::Tensor& wk = *p[2];
+    const at::Tensor& wv = *p[3]; const at::Tensor& wo = *p[4]; const auto& qk_w = p[5];
+    const at::Tensor& post_norm = *p[6]; const at::Tensor& router = *p[7];
+    const at::Tensor& gate_up = *p[8]; const at::Tensor& down = *p[9];
+    const auto& k_cache_l = k_cache[l];
+    auto h = in_norm * rms_normalize(x, eps);
+    auto q = linear(h, wq, biases[4 * l], s);
+    auto k = linear(h, wk, biases[4 * l + 1], s);
+    auto v = linear(h, wv, biases[4 * l + 2], s);
+    auto qk = at::cat({q.view({B, 1, heads, D}), k.view({B, 1, kv_heads, D})}, 2);
+    if (qk_w.has_value()) qk = *qk_w * rms_normalize(qk, eps);
+    v = v.view({B, 1, kv_heads, D}).transpose(1, 2);
+    qk = qk.transpose(1, 2);
+    qk = qk * cos + rotate_half(qk) * sin;
+    auto parts = qk.split_with_sizes({heads, kv_heads}, 1);
+    auto dtype = k_cache_l.scalar_type();
+    auto qd = parts[0].to(dtype), kd = parts[1].to(dtype), vd = v.to(dtype);
+    k_cache_l.slice(2, past, past + 1).copy_(kd);
+    v_cache[l].slice(2, past, past + 1).copy_(vd);
+    auto keys = k_cache_l.slice(2, 0, past + 1), values = v_cache[l].slice(2, 0, past + 1);
+    at::Tensor out;
+    if (group > 1) {
+      out = at::scaled_dot_product_attention(qd.reshape({B, kv_heads, group, D}), keys, values,
+                                             mask, 0.0, false, scale);
+      out = out.reshape({B, 1, -1});
+    } else {
+      out = at::scaled_dot_product_attention(qd, keys, values, mask, 0.0, false, scale, false);
+      out = out.transpose(1, 2).reshape({B, 1, -1});
+    }
+    x = x + linear(out.to(x.scalar_type()), wo, biases[4 * l + 3], s);
+    h = post_norm * rms_normalize(x, eps);
+    auto flat = h.reshape({-1, h.size(-1)});
+    auto probs = linear(flat, router, c10::nullopt, s).to(at::kFloat).softmax(-1);
+    auto top = probs.topk(top_k, -1);
+    auto w = std::get<0>(top);
+    auto idx = std::get<1>(top);
+    if (norm_topk) w = w / w.sum(-1, true);
+    auto y = experts(flat, idx, w.to(flat.scalar_type()), gate_up, down, s);
+    x = x + y.view({B, 1, -1});
+    routes.push_back(idx.view({B, 1, -1}));
+  }
+  auto logits = linear(final_norm * rms_normalize(x, eps), lm_head, c10::nullopt, s);
+  return {logits, at::stack(routes, 2)};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_step", &decode_step, "one decode step of MoEModel");
+}

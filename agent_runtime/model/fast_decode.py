@@ -1,0 +1,106 @@
+"""One-token decode steps in C++: the same ATen operations as `MoEModel.forward`, without the
+interpreter between them.
+
+A one-token step of a small MoE on a CPU is ~70 small operations per layer; in eager PyTorch
+each costs microseconds of Python and dispatch, far more than the arithmetic (the default model
+reads ~5 MB of active weights a token). `csrc/decode.cpp` issues the same operations with the
+same arguments from C++, so its logits and routes are bitwise the Python path's. It is built
+once per machine with `torch.utils.cpp_extension` (cached under the torch extensions folder)
+the first time a decode needs it; when it cannot be built (no compiler, no ninja) or the model
+is of a kind it does not cover, `stepper` returns None and generation stays in Python.
+`APPRENTICE_FAST_DECODE=0` turns it off.
+
+It does not prefill, sample or manage caches (`generate` does) and never trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from agent_runtime.model.model import UPCAST_CPU, KVCache, ModelOutput, MoEModel
+
+log = logging.getLogger(__name__)
+ENV = "APPRENTICE_FAST_DECODE"
+SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
+
+_lock = threading.Lock()
+_ext: Any = None
+_failed: str | None = None
+
+
+def extension() -> Any:
+    """The compiled module, building it on first use; None when it cannot be built."""
+    global _ext, _failed
+    with _lock:
+        if _ext is None and _failed is None:
+            try:
+                from torch.utils.cpp_extension import load
+                log.info("building the C++ decode step (once per machine)")
+                _ext = load(name="apprentice_decode", sources=[str(SOURCE)],
+                            extra_cflags=["-O3"], verbose=False)
+            except Exception as e:          # no compiler or ninja: the Python path serves
+                _failed = f"{type(e).__name__}: {e}"
+                log.warning("C++ decode step unavailable, decoding in Python: %s", _failed)
+        return _ext
+
+
+def supported(model: MoEModel) -> str | None:
+    """Why `model` cannot use the C++ step (None when it can)."""
+    a = model.args
+    checks = [
+        (not all(a.moe_layers), "dense MLP layers"),
+        (a.shared_expert_size > 0, "a shared expert"),
+        (a.router_mode != "softmax_topk", f"router {a.router_mode}"),
+        (a.qk_norm == "full", "full-width q/k norm"),
+        (a.clip_qkv is not None, "clipped q/k/v"),
+        (a.hidden_act != "silu", f"activation {a.hidden_act}"),
+        (a.embedding_multiplier != 1.0 or a.residual_multiplier != 1.0
+         or a.logits_scaling != 1.0, "multipliers"),
+        (model.embed_tokens.weight.device.type != "cpu", "not on CPU"),
+    ]
+    return next((why for bad, why in checks if bad), None)
+
+
+def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] | None:
+    """step(tokens [B], cache) -> the `ModelOutput` of `model(tokens[:, None], cache=cache)`,
+    or None when the C++ step is off, unavailable or does not cover `model`."""
+    if os.environ.get(ENV, "1") == "0" or supported(model) is not None:
+        return None
+    ext = extension()
+    if ext is None:
+        return None
+    a = model.args
+    layers: list[torch.Tensor | None] = []
+    biases: list[torch.Tensor | None] = []
+    for block in model.layers:
+        att, moe = block.self_attn, block.mlp
+        qk_w = None
+        if a.qk_norm == "head":
+            qk_w = torch.cat((att.q_norm.weight.expand(a.num_heads, -1),
+                              att.k_norm.weight.expand(a.num_kv_heads, -1)))
+        layers += [block.input_layernorm.weight, att.q_proj.weight, att.k_proj.weight,
+                   att.v_proj.weight, att.o_proj.weight, qk_w,
+                   block.post_attention_layernorm.weight, moe.gate.weight,
+                   moe.experts.gate_up, moe.experts.down]
+        biases += [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias, att.o_proj.bias]
+    model._rope(torch.zeros(1, 1, dtype=torch.long), model.dtype)      # build the tables
+    cos, sin = model._rope_table
+    upcast = UPCAST_CPU
+
+    def step(tokens: torch.Tensor, cache: KVCache) -> ModelOutput:
+        past = cache.pos
+        if past + 1 > min(cache.max_len, a.max_position):
+            raise ValueError(f"KV cache overflow: {past + 1} tokens > cache length {cache.max_len}")
+        logits, routes = ext.decode_step(
+            tokens, past, cache.valid, cos, sin, model.embed_tokens.weight, model.norm.weight,
+            model.lm_head.weight, layers, biases, cache.k, cache.v, a.num_heads,
+            a.num_kv_heads, a.head_dim, a.top_k, a.norm_topk_prob, upcast, a.rms_eps, a.scale)
+        cache.pos = past + 1
+        return ModelOutput(logits=logits, routes=routes)
+    return step

@@ -1,0 +1,70 @@
+"""The C++ decode step: bitwise the Python step's tokens, logprobs and routes, or not used."""
+
+import os
+
+import pytest
+import torch
+
+from agent_runtime.model import fast_decode, load_model
+from agent_runtime.model.generate import SamplingParams, generate
+from agent_runtime.model.prefix_cache import PrefixCache
+from tiny_checkpoints import VOCAB, save_hf_checkpoint
+
+COVERED = ("qwen3_moe", "mixtral")
+NOT_COVERED = {"qwen2_moe": "dense MLP layers", "olmoe": "full-width q/k norm",
+               "granitemoe": "router topk_softmax"}
+
+
+@pytest.fixture(scope="module")
+def built():
+    if fast_decode.extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the C++ decode step did not build: {fast_decode._failed}")
+        pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")
+
+
+def _prompts(*lens):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def _both(monkeypatch, model, prompts, params, cache_mb=0):
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(fast_decode.ENV, mode)
+        cache = PrefixCache(max_bytes=cache_mb * 2**20) if cache_mb else None
+        first = generate(model, prompts, params, prefix_cache=cache)
+        again = generate(model, [p + g.tokens[:3] for p, g in zip(prompts, first)], params,
+                         prefix_cache=cache) if cache else []
+        out[mode] = first + again
+    return out["0"], out["1"]
+
+
+@pytest.mark.parametrize("family", COVERED)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpp_step_is_bitwise_the_python_step(built, monkeypatch, tmp_path, family, dtype):
+    model = load_model(save_hf_checkpoint(family, tmp_path / "m"), dtype=dtype)
+    assert fast_decode.stepper(model) is not None
+    for prompts, params, cache_mb in [
+            (_prompts(13), SamplingParams(max_new_tokens=20), 0),
+            (_prompts(5, 17, 11), SamplingParams(max_new_tokens=16), 0),        # left padding
+            (_prompts(9, 9, 9, 9, 9, 9), SamplingParams(max_new_tokens=12, temperature=1.0,
+                                                         seed=3), 0),          # 6 rows sampled
+            (_prompts(21, 8), SamplingParams(max_new_tokens=10), 8)]:          # prefix cache
+        python, cpp = _both(monkeypatch, model, prompts, params, cache_mb)
+        for a, b in zip(python, cpp):
+            assert a.tokens == b.tokens and a.logprobs == b.logprobs
+            assert torch.equal(a.routes, b.routes) and a.finish_reason == b.finish_reason
+
+
+@pytest.mark.parametrize("family", sorted(NOT_COVERED))
+def test_models_the_cpp_step_does_not_cover_decode_in_python(tmp_path, family):
+    model = load_model(save_hf_checkpoint(family, tmp_path / "m"), dtype="float32")
+    assert fast_decode.supported(model) == NOT_COVERED[family]
+    assert fast_decode.stepper(model) is None
+
+
+def test_the_environment_turns_it_off(built, monkeypatch, tmp_path):
+    model = load_model(save_hf_checkpoint("qwen3_moe", tmp_path / "m"), dtype="float32")
+    monkeypatch.setenv(fast_decode.ENV, "0")
+    assert fast_decode.stepper(model) is None
