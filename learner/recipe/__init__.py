@@ -29,10 +29,13 @@ from learner.recipe.tokenizer_stage import TokenizerConfig
 # The shipped model's shape, sized for a 2-core CPU: 12.7 M parameters (~5 M active per token),
 # 8 experts top-2, a 4,096-token window. The output head is the embedding (tied): copying a
 # token from the context then needs no per-token alignment of two 8,192-row matrices, which a
-# CPU-sized pre-training never sees most tokens often enough to learn.
+# CPU-sized pre-training never sees most tokens often enough to learn. It starts with a wired
+# induction circuit (`wire_induction_head`: copying from the context works before the first
+# step); rope_theta 1e8 leaves that circuit rotary pairs that barely turn over 4,096 positions.
 DEFAULT_SHAPE = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
                            head_dim=64, num_experts=8, top_k=2, expert_size=256,
-                           tie_embeddings=True, previous_token_head=True)
+                           rope_theta=1e8, tie_embeddings=True, previous_token_head=True,
+                           induction_head=True)
 
 
 def default_recipe() -> RecipeConfig:
@@ -50,7 +53,8 @@ def default_recipe() -> RecipeConfig:
             train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=2700,
                            fit_to_time=True, checkpoint_every=100, log_every=20,
                            head_on_mask=True),
-            tasks=2000, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9),
+            tasks=2000, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
+            copy_share=0.2),
         grpo=GRPOStageConfig(steps=200, group_size=8, groups_per_step=2, lr=1e-5,
                              max_new_tokens=320, max_steps=12, workers=1, max_seconds=900),
         eval=EvalConfig(n=200, processes=2, summary_window=2048))

@@ -46,6 +46,8 @@ class ModelShape:
     tie_embeddings: bool = False    # untied: the output head gets its own matrix
     previous_token_head: bool = False  # start with a wired previous-token head in layer 0
                                     # (`wire_previous_token_head`)
+    induction_head: bool = False    # ... and the whole copying circuit (`wire_induction_head`;
+                                    # needs previous_token_head and tied embeddings)
 
     def hf_config(self, vocab_size: int, eos_token_id: int | None, pad_token_id: int | None) -> dict:
         return {
@@ -132,6 +134,8 @@ def init_model(shape: ModelShape, tok, seed: int = 0) -> MoEModel:
                 p.normal_(0.0, 0.02)
         if shape.previous_token_head:
             wire_previous_token_head(model)
+        if shape.induction_head:
+            wire_induction_head(model)
     return model
 
 
@@ -178,6 +182,74 @@ def wire_previous_token_head(model: MoEModel, layer: int = 0, head: int = 0,
             norm.weight[f] = norm.weight[f + half] = w
 
 
+@torch.no_grad()
+def wire_induction_head(model: MoEModel, logit_gain: float = 4.0, margin: float = 8.0) -> None:
+    """Give the model, at initialization, a working induction circuit: at every position, look
+    up the earlier positions that followed the current token and predict the token found there.
+
+    Measured on the default shape: with only the previous-token head wired, 380 steps of
+    pre-training with 40 % copy windows ended with no copying at all (the repeat of a random
+    span scored 9.0 nats, as its first copy); gradient descent does not find the matching half
+    within a CPU's budget. Wired whole, the circuit copies before the first step, and training
+    keeps and uses it. The parts, all ordinary weights (`transformers` loads them unchanged):
+
+    - residual layout: the last `head_dim` dimensions of the residual stream are a channel,
+      zero in every token embedding; dimensions 1..head_dim hold the "content" the circuit
+      reads (dimension 0 is the previous-token head's constant);
+    - layer 0, head 0 (the previous-token head, `wire_previous_token_head`): its value reads
+      the content, its output writes it into the channel, so each position carries its
+      predecessor's content;
+    - layer 1, head 0: its query reads the position's own content, its key reads the channel,
+      both on the rotary pairs that turn less than 1e-4 rad a position (so the match does not
+      depend on distance; a large `rope_theta` keeps enough of them), with q/k-norm weights
+      for a `margin`-nat lead of an exact match over a chance one; its value reads the content
+      of the position it finds and its output writes that content back, so the final norm and
+      the tied output head turn it into the logit of that token;
+    - the other heads' and the experts' output projections start at zero (the circuit is the
+      whole initial function), and the final norm is scaled by `logit_gain`: tied logits are
+      otherwise too small for a confident copy.
+    """
+    a = model.args
+    if not a.tie_embeddings or a.qk_norm != "head" or a.num_layers < 2:
+        raise ValueError("an induction head needs tied embeddings, per-head q/k norms and 2 layers")
+    H, D = a.hidden_size, a.head_dim
+    if H < 2 * D + 1:
+        raise ValueError(f"hidden size {H} leaves no room for a {D}-wide channel beside the content")
+    content, channel = range(1, D + 1), range(H - D, H)
+    model.embed_tokens.weight[:, H - D:] = 0
+    prev = model.layers[0].self_attn
+    prev.v_proj.weight[:D] = 0
+    prev.o_proj.weight[:, :D] = 0
+    for i in range(D):
+        prev.v_proj.weight[i, content[i]] = 1.0
+        prev.o_proj.weight[channel[i], i] = 0.02            # the embeddings' own scale
+    ind = model.layers[1].self_attn
+    slow = [f for f in range(D // 2) if model.inv_freq[f] < 1e-4]
+    dims = slow + [f + D // 2 for f in slow]
+    if len(dims) < 16:
+        raise ValueError(f"rope_theta {a.rope_theta}: only {len(dims)} slow rotary dimensions")
+    q, k = ind.q_proj.weight[:D], ind.k_proj.weight[:D]
+    q.zero_()
+    k.zero_()
+    for j, d in enumerate(dims):
+        q[d, content[j]] = 1.0
+        k[d, channel[j]] = 1.0
+    # unit-RMS q and k over D with n = len(dims) live entries: an exact match scores
+    # D * w^2 * scale, a chance match about half that at most
+    w = math.sqrt(margin / (0.5 * D * a.scale))
+    for norm in (ind.q_norm, ind.k_norm):
+        norm.weight[dims] = w
+    ind.v_proj.weight[:D] = 0
+    ind.o_proj.weight[:, :D] = 0
+    for i in range(D):
+        ind.v_proj.weight[i, content[i]] = 1.0
+        ind.o_proj.weight[content[i], i] = 1.0
+    for n, block in enumerate(model.layers):
+        block.self_attn.o_proj.weight[:, D if n < 2 else 0:] = 0
+        block.mlp.experts.down.zero_()
+    model.norm.weight.mul_(logit_gain)
+
+
 def _round_vocab(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -222,7 +294,7 @@ def copy_window(ids: torch.Tensor, n: int, g: torch.Generator) -> tuple[torch.Te
     mask = torch.zeros(n, dtype=torch.bool)
     at = 0
     while at < n:
-        length = int(torch.randint(16, 129, (1,), generator=g))
+        length = min(int(torch.randint(16, 129, (1,), generator=g)), max(1, n // 2))
         span = ids[torch.randint(0, len(ids), (length,), generator=g)]
         pair = torch.cat([span, span])[:n - at]
         row[at:at + len(pair)] = pair

@@ -51,6 +51,8 @@ class SFTConfig:
     max_len: int = 4096             # longer sequences are cut
     rename: float = 0.0             # share of the sequences in each batch seen with their domain
                                     # words renamed (`learner.recipe.augment`): copy, not recall
+    copy_share: float = 0.0         # share of the training sequences that are copy windows
+                                    # (`pretrain.copy_window`, as long as the episodes)
     device: str = "auto"            # "auto": cuda when available, else cpu
     seed: int = 0                   # episode windows and batch order
 
@@ -277,6 +279,34 @@ def _renaming(tok, seqs: list[tuple[np.ndarray, np.ndarray]], share: float) -> T
     return transform
 
 
+def copy_sequences(tok, seqs: list[tuple[np.ndarray, np.ndarray]], share: float, seed: int
+                   ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Copy windows (`pretrain.copy_window`: random spans written twice, trained on the second
+    copy) as many as make `share` of the training set, each as long as an episode drawn at
+    random: they keep asking for the copying the episodes need (a name from the task, an `old`
+    string from the file just read) in isolation from everything else."""
+    from learner.recipe.pretrain import copy_window
+    n = round(len(seqs) * share / (1 - share))
+    ids = torch.tensor(sorted(set(range(tok.vocab_size)) - set(tok.special_tokens.values())))
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        row, mask = copy_window(ids, len(seqs[rng.randrange(len(seqs))][0]), g)
+        out.append((row.numpy().astype(np.uint16), mask.numpy().astype(np.uint8)))
+    return out
+
+
+def _episodes_only(transform: Transform | None, start: int) -> Transform | None:
+    """`transform` for the episodes (which begin with the token `start`); copy windows pass."""
+    if transform is None:
+        return None
+
+    def apply(ids: np.ndarray, mask: np.ndarray, rng: random.Random):
+        return transform(ids, mask, rng) if ids[0] == start else (ids, mask)
+    return apply
+
+
 def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
         log: Callable[[dict], None] = print) -> dict:
     """Fine-tune the checkpoint in `start_dir` on `data` (see `collect`); write `out/model`."""
@@ -291,6 +321,9 @@ def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
         raise ValueError(f"{data}: no SFT sequences")
     pad = tok.special_tokens["<|endoftext|>"]
     transform = _renaming(tok, seqs, config.rename) if config.rename else None
+    if config.copy_share:
+        transform = _episodes_only(transform, tok.special_tokens["<|im_start|>"])
+        seqs = seqs + copy_sequences(tok, seqs, config.copy_share, config.seed)
     if config.batch_tokens:
         batch = length_batches(seqs, config.batch_tokens, config.max_len, pad, config.seed,
                                transform)

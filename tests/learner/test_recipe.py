@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from learner.recipe import tokenizer_stage as ts
 from learner.recipe.lm import LMConfig, train_lm
 from learner.recipe.pretrain import (ModelShape, PretrainConfig, init_model, window_batches,
                                      copy_window, with_repeats)
-from learner.recipe.sft import merge_samples
+from learner.recipe.sft import _episodes_only, copy_sequences, merge_samples
 
 CODE = "".join(Path(m.__file__).read_text() for m in (json, random, ts))
 TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -212,6 +213,29 @@ def test_wired_previous_token_head_attends_one_back_in_transformers(tok_dir, tmp
                            model.layers[0].self_attn.q_proj.weight)
 
 
+def test_a_wired_induction_head_copies_before_training_and_loads_in_transformers(tok_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from agent_runtime.model import save_model
+    shape = ModelShape(hidden_size=160, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
+                       num_experts=8, top_k=2, expert_size=32, max_position=512, rope_theta=1e8,
+                       tie_embeddings=True, previous_token_head=True, induction_head=True)
+    model = init_model(shape, load_tokenizer(tok_dir), seed=0)
+    span = torch.randint(3, 250, (4, 120), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([span, span], 1)                                   # a span, then again
+    with torch.no_grad():
+        nll = -model(ids).logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    first, repeat = nll[:, :119].mean(), nll[:, 120:].mean()
+    assert repeat < 2.0 and first > 4.0                                # copies, untrained
+    unwired = init_model(replace(shape, induction_head=False), load_tokenizer(tok_dir), seed=0)
+    with torch.no_grad():
+        plain = -unwired(ids).logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    assert plain[:, 120:].mean() > 4.0                                 # the wiring does it
+    save_model(model, tmp_path / "m", dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir, tmp_path):
     from learner.recipe import RecipeConfig, run_recipe
     out = tmp_path / "recipe"
@@ -361,3 +385,19 @@ def test_renaming_is_consistent_lossless_and_keeps_the_harness(tok_dir, monkeypa
     restored = [(pattern.sub(lambda m: back[m.group(1)], t), m) for t, m in renamer.runs(new_ids, new_mask)]
     again_ids, again_mask = renamer.rename(restored, {})
     assert again_ids.tolist() == ids.tolist() and again_mask.tolist() == mask.astype(bool).tolist()
+
+
+def test_sft_copy_windows_are_their_share_as_long_as_episodes_and_never_renamed(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    start = tok.special_tokens["<|im_start|>"]
+    episodes = [(np.array([start] + [5] * n, dtype=np.uint16), np.ones(n + 1, dtype=np.uint8))
+                for n in (99, 199, 299)]
+    copies = copy_sequences(tok, episodes * 4, share=0.2, seed=0)
+    assert len(copies) == 3                                   # 3 of 15: a fifth
+    assert all(len(ids) in (100, 200, 300) for ids, _ in copies)
+    assert all(0 < m.sum() < len(m) and int(ids.max()) < tok.vocab_size for ids, m in copies)
+    assert not set(tok.special_tokens.values()) & {int(t) for ids, _ in copies for t in ids}
+    flip = _episodes_only(lambda ids, m, rng: (ids[::-1], m), start)
+    rng = random.Random(0)
+    assert flip(*copies[0], rng)[0] is copies[0][0]           # a copy window passes
+    assert flip(*episodes[0], rng)[0][-1] == start            # an episode is transformed
