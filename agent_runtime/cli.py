@@ -94,6 +94,9 @@ def run(task: str, workspace: Path, copy_workspace: bool, no_learn: bool, model:
     """
     from agent_runtime.learning import session_learns
     from agent_runtime.store import SessionStore
+    if not task.strip():
+        raise click.UsageError("TASK is empty: say what the agent should do, e.g. "
+                               "apprentice run \"make the tests pass\"")
     store = SessionStore()
     learn = session_learns(store.home, workspace, not no_learn)   # before a copy is made
     if copy_workspace:

@@ -63,11 +63,31 @@ def resolve_model_path(spec: str) -> Path:
     return path
 
 
+def check_policy(spec: str) -> None:
+    """Raise what `load_policy(spec)` would on a missing or unrunnable checkpoint (or replay
+    file), without loading weights or importing torch: OSError or ValueError with one line
+    that says what is wrong. Servers call it at start, before their first request."""
+    if spec.startswith("replay:"):
+        path = Path(spec[len("replay:"):]).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"replay script {path} does not exist")
+        return
+    import json
+
+    from agent_runtime.model.config import args_from_hf
+    path = resolve_model_path(spec)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path / 'config.json'}: not valid JSON ({exc})") from None
+    args_from_hf(config)
+
+
 def load_policy(spec: str = "default", **kwargs: Any) -> Policy:
     """Build a policy from `"default"`, a checkpoint path, or `"replay:FILE"`."""
     if spec.startswith("replay:"):
         from agent_runtime.replay_policy import ReplayPolicy
         return ReplayPolicy.from_file(spec[len("replay:"):], **kwargs)
-    resolve_model_path(spec)                   # fail fast, before importing torch
+    check_policy(spec)                         # fail fast, before importing torch
     from agent_runtime.engine_policy import EnginePolicy
     return EnginePolicy.load(spec, **kwargs)

@@ -150,8 +150,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
     spec = policy_spec or model
     try:
         factory = policy_factory(spec, max_new_tokens, context_window or 0)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc))
+    except (OSError, ValueError) as exc:          # a missing or broken checkpoint: one line
+        raise click.ClickException(f"cannot load policy {spec!r}: {exc}")
     if spec == "oracle" and any(t.solution is None for t in task_list):
         raise click.BadParameter("the oracle only solves generated tasks (or task folders "
                                  "exported with --with-solution)")
@@ -240,10 +240,15 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
     """Train with GRPO (router replay, async rollouts); rerun to resume after a kill."""
     import json
 
+    from agent_runtime.policy import check_policy
     from agent_runtime.store import SessionStore, default_home
     from learner import config as c
     from learner.pipeline import build
     from learner.versions import VersionStore
+    try:
+        check_policy(model)                     # before the run folder exists
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot load policy {model!r}: {exc}")
     run_dir = _run_dir(run_dir)
     cfg = c.RunConfig(
         model=model, tasks=family,

@@ -130,6 +130,12 @@ def mcp_command(model: str, policy_spec: str | None, max_steps: int,
                 workspace_root: Path) -> None:
     """Serve apprentice as an MCP server on stdio (a `run_task` tool for other agents)."""
     import anyio
+
+    from agent_runtime.policy import check_policy
+    try:
+        check_policy(policy_spec or model)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot load policy {policy_spec or model!r}: {exc}")
     config = McpServeConfig(policy_spec or model, max_steps, workspace_root)
     anyio.run(serve_stdio, make_server(config))
 

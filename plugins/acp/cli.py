@@ -38,7 +38,12 @@ def acp_command(model: str, policy_spec: str | None, max_steps: int,
     import logging
     import sys
 
+    from agent_runtime.policy import check_policy
     from plugins.acp.server import AcpConfig
+    try:
+        check_policy(policy_spec or model)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot load policy {policy_spec or model!r}: {exc}")
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
                         format="apprentice acp: %(levelname)s %(message)s")
     config = AcpConfig(policy_spec or model, max_steps, approval, context_window,

@@ -160,3 +160,35 @@ def test_bare_apprentice_with_options_goes_to_the_tui():
     result = CliRunner().invoke(main, ["--max-steps", "3", "--help"])
     assert result.exit_code == 0
     assert "tui [OPTIONS]" in result.output and "--policy" in result.output
+
+
+@pytest.mark.parametrize("task", ["", "   ", "\n\t"])
+def test_an_empty_task_is_refused_before_anything_runs(home, workspace, task):
+    before = sorted(p.name for p in workspace.rglob("*"))
+    result = CliRunner().invoke(main, ["run", task, "-w", str(workspace), "--copy",
+                                       "--policy", f"replay:{FIX}"])
+    assert result.exit_code == 2 and "TASK is empty" in result.output
+    assert sorted(p.name for p in workspace.rglob("*")) == before
+    assert not (home / "workspaces").exists()
+    with SessionStore(home) as store:
+        assert store.list_sessions(5) == []
+
+
+@pytest.mark.parametrize("command", [["run", "fix it"], ["eval", "-n", "1"], ["tui"], ["acp"],
+                                     ["mcp"], ["learn", "grpo", "--tasks", "toy"]])
+def test_a_missing_or_broken_model_is_one_line_and_a_non_zero_exit(home, tmp_path, command):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    (unreadable / "config.json").write_text("{not json")
+    for model, why in ((tmp_path / "missing", "no config.json"),
+                       (broken, "model_type 'gpt2' is not supported"),
+                       (unreadable, "not valid JSON")):
+        result = CliRunner().invoke(main, command + ["--model", str(model)])
+        assert result.exit_code == 1, (command, result.output)
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error:") and why in lines[0], lines
+    assert not (home / "runs").exists()           # `learn grpo` left no run folder behind
