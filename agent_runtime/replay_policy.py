@@ -54,7 +54,10 @@ class ReplayPolicy:
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> "ReplayPolicy":
         path = Path(path)
-        script = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            script = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(script, list):
             raise ValueError(f"{path}: a replay script is a JSON list, got {type(script).__name__}")
         kwargs.setdefault("name", f"replay:{path}")

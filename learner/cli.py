@@ -319,7 +319,7 @@ def report(run_dir: Path | None, out: Path | None) -> None:
               help="Training and evaluation device: auto (cuda when present), cpu, cuda.")
 @click.option("--eval-n", type=click.IntRange(1), default=None,
               help="Held-out tasks in the eval stage (default: the recipe's, 200).")
-@click.option("-j", "--processes", type=click.IntRange(1), default=None,
+@click.option("-p", "--processes", type=click.IntRange(1), default=None,
               help="Processes collecting oracle episodes and running evaluation episodes.")
 @click.option("--max-minutes", type=click.FloatRange(0), default=None,
               help="Wall-time cap of each training stage (pretrain, sft, grpo); 0 = none.")

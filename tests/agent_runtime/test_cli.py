@@ -192,3 +192,12 @@ def test_a_missing_or_broken_model_is_one_line_and_a_non_zero_exit(home, tmp_pat
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("Error:") and why in lines[0], lines
     assert not (home / "runs").exists()           # `learn grpo` left no run folder behind
+
+
+def test_a_replay_file_with_bad_json_is_named_in_the_error(home, workspace, tmp_path):
+    bad = tmp_path / "script.json"
+    bad.write_text('[{"content": "x"')
+    result = CliRunner().invoke(main, ["run", "fix it", "-w", str(workspace),
+                                       "--policy", f"replay:{bad}"])
+    assert result.exit_code == 1
+    assert f"{bad}: not valid JSON" in " ".join(result.output.split())
