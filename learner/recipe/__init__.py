@@ -31,11 +31,13 @@ from learner.recipe.tokenizer_stage import TokenizerConfig
 # token from the context then needs no per-token alignment of two 8,192-row matrices, which a
 # CPU-sized pre-training never sees most tokens often enough to learn. It starts with a wired
 # induction circuit (`wire_induction_head`: copying from the context works before the first
-# step); rope_theta 1e8 leaves that circuit rotary pairs that barely turn over 4,096 positions.
+# step) that matches on the last two tokens, not one (`induction_ngram=2`: far fewer wrong
+# matches on common tokens); rope_theta 1e8 leaves that circuit rotary pairs that barely turn
+# over 4,096 positions.
 DEFAULT_SHAPE = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
                            head_dim=64, num_experts=8, top_k=2, expert_size=256,
                            rope_theta=1e8, tie_embeddings=True, previous_token_head=True,
-                           induction_head=True)
+                           induction_head=True, induction_ngram=2)
 
 
 def default_recipe() -> RecipeConfig:

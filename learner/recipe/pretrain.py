@@ -48,6 +48,7 @@ class ModelShape:
                                     # (`wire_previous_token_head`)
     induction_head: bool = False    # ... and the whole copying circuit (`wire_induction_head`;
                                     # needs previous_token_head and tied embeddings)
+    induction_ngram: int = 1        # tokens the circuit matches on (1 or 2)
 
     def hf_config(self, vocab_size: int, eos_token_id: int | None, pad_token_id: int | None) -> dict:
         return {
@@ -135,14 +136,15 @@ def init_model(shape: ModelShape, tok, seed: int = 0) -> MoEModel:
         if shape.previous_token_head:
             wire_previous_token_head(model)
         if shape.induction_head:
-            wire_induction_head(model)
+            wire_induction_head(model, ngram=shape.induction_ngram)
     return model
 
 
 @torch.no_grad()
 def wire_previous_token_head(model: MoEModel, layer: int = 0, head: int = 0,
-                             margin: float = 8.0, bias: float = 0.1) -> None:
-    """Make query head `head` of `layer` attend to the previous position, whatever the tokens.
+                             margin: float = 8.0, bias: float = 0.1, back: int = 1) -> None:
+    """Make query head `head` of `layer` attend to the previous position (`back` positions
+    back), whatever the tokens.
 
     Copying from the context (an induction head: find the earlier occurrence of the current
     token, predict the token that followed it) needs a head that moves each token's identity
@@ -156,8 +158,8 @@ def wire_previous_token_head(model: MoEModel, layer: int = 0, head: int = 0,
     its key/value head's key read only that column, on the rotary pairs that turn by at least
     0.1 rad a position, with the query's phase one position behind the key's; per-head
     q/k-norm then makes both vectors constant, so the score depends on the distance alone and
-    peaks at 1. The q/k-norm weights of those dimensions (shared by the layer's heads) are set
-    so the previous position leads its neighbours by `margin` nats. Value and output stay
+    peaks at `back`. The q/k-norm weights of those dimensions (shared by the layer's heads) are set
+    so that position leads its neighbours by `margin` nats. Value and output stay
     random: which part of the token it carries is left to training."""
     a = model.args
     if a.qk_norm != "head":
@@ -176,14 +178,15 @@ def wire_previous_token_head(model: MoEModel, layer: int = 0, head: int = 0,
     q.zero_()
     k.zero_()
     for f in pairs:                 # rotary pair (f, f + D/2); query phase -theta_f
-        q[f, 0], q[f + half, 0] = math.cos(theta[f]), -math.sin(theta[f])
+        q[f, 0], q[f + half, 0] = math.cos(back * theta[f]), -math.sin(back * theta[f])
         k[f, 0] = 1.0
         for norm in (att.q_norm, att.k_norm):
             norm.weight[f] = norm.weight[f + half] = w
 
 
 @torch.no_grad()
-def wire_induction_head(model: MoEModel, logit_gain: float = 4.0, margin: float = 8.0) -> None:
+def wire_induction_head(model: MoEModel, logit_gain: float = 4.0, margin: float = 8.0,
+                        ngram: int = 1) -> None:
     """Give the model, at initialization, a working induction circuit: at every position, look
     up the earlier positions that followed the current token and predict the token found there.
 
@@ -207,22 +210,39 @@ def wire_induction_head(model: MoEModel, logit_gain: float = 4.0, margin: float 
       the tied output head turn it into the logit of that token;
     - the other heads' and the experts' output projections start at zero (the circuit is the
       whole initial function), and the final norm is scaled by `logit_gain`: tied logits are
-      otherwise too small for a confident copy.
+      otherwise too small for a confident copy;
+    - with `ngram=2` the match is on two tokens: layer 0's head 1 (which shares head 0's key
+      and value) attends two positions back and writes that content into a second channel
+      (the `head_dim` dimensions before the first), and half of the matching dimensions
+      compare the previous token (the first channel at the query) with the token before the
+      candidate (the second channel at the key). A one-token match is ambiguous wherever
+      the current token is common (`, ` in a list of numbers, `/` in a path): measured
+      untrained on the default shape, the repeat of spans drawn from 20 ids scores 6.29 nats
+      with one token and 1.59 with two, the repeat of held-out code 2.31 and 1.38.
     """
     a = model.args
     if not a.tie_embeddings or a.qk_norm != "head" or a.num_layers < 2:
         raise ValueError("an induction head needs tied embeddings, per-head q/k norms and 2 layers")
     H, D = a.hidden_size, a.head_dim
-    if H < 2 * D + 1:
-        raise ValueError(f"hidden size {H} leaves no room for a {D}-wide channel beside the content")
+    if ngram not in (1, 2):
+        raise ValueError(f"ngram must be 1 or 2, got {ngram}")
+    if ngram == 2 and a.num_heads // a.num_kv_heads < 2:
+        raise ValueError("a two-token match needs two query heads on layer 0's first key/value head")
+    if H < (ngram + 1) * D + 1:
+        raise ValueError(f"hidden size {H} leaves no room for {ngram} {D}-wide channels beside the content")
     content, channel = range(1, D + 1), range(H - D, H)
-    model.embed_tokens.weight[:, H - D:] = 0
+    before = range(H - 2 * D, H - D)                       # ngram 2: the token two back
+    model.embed_tokens.weight[:, H - ngram * D:] = 0
     prev = model.layers[0].self_attn
     prev.v_proj.weight[:D] = 0
-    prev.o_proj.weight[:, :D] = 0
+    prev.o_proj.weight[:, :ngram * D] = 0
     for i in range(D):
         prev.v_proj.weight[i, content[i]] = 1.0
         prev.o_proj.weight[channel[i], i] = 0.02            # the embeddings' own scale
+    if ngram == 2:
+        wire_previous_token_head(model, head=1, margin=margin, back=2)
+        for i in range(D):
+            prev.o_proj.weight[before[i], D + i] = 0.02
     ind = model.layers[1].self_attn
     slow = [f for f in range(D // 2) if model.inv_freq[f] < 1e-4]
     dims = slow + [f + D // 2 for f in slow]
@@ -232,8 +252,12 @@ def wire_induction_head(model: MoEModel, logit_gain: float = 4.0, margin: float 
     q.zero_()
     k.zero_()
     for j, d in enumerate(dims):
-        q[d, content[j]] = 1.0
-        k[d, channel[j]] = 1.0
+        if ngram == 1 or j < len(dims) // 2:
+            q[d, content[j]] = 1.0                          # this token ~ the one before
+            k[d, channel[j]] = 1.0
+        else:
+            q[d, channel[j]] = 1.0                          # the token before ~ two before
+            k[d, before[j]] = 1.0
     # unit-RMS q and k over D with n = len(dims) live entries: an exact match scores
     # D * w^2 * scale, a chance match about half that at most
     w = math.sqrt(margin / (0.5 * D * a.scale))
@@ -245,7 +269,7 @@ def wire_induction_head(model: MoEModel, logit_gain: float = 4.0, margin: float 
         ind.v_proj.weight[i, content[i]] = 1.0
         ind.o_proj.weight[content[i], i] = 1.0
     for n, block in enumerate(model.layers):
-        block.self_attn.o_proj.weight[:, D if n < 2 else 0:] = 0
+        block.self_attn.o_proj.weight[:, (ngram if n == 0 else 1) * D if n < 2 else 0:] = 0
         block.mlp.experts.down.zero_()
     model.norm.weight.mul_(logit_gain)
 

@@ -236,6 +236,33 @@ def test_a_wired_induction_head_copies_before_training_and_loads_in_transformers
         torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_two_token_induction_match_copies_where_one_token_is_ambiguous(tok_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from agent_runtime.model import save_model
+    shape = ModelShape(hidden_size=224, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
+                       num_experts=8, top_k=2, expert_size=32, max_position=512, rope_theta=1e8,
+                       tie_embeddings=True, previous_token_head=True, induction_head=True)
+    g = torch.Generator().manual_seed(2)
+    alphabet = torch.randperm(240, generator=g)[:12] + 3
+    span = alphabet[torch.randint(0, 12, (4, 120), generator=g)]     # each id ~10 times a span
+    ids = torch.cat([span, span], 1)
+
+    def repeat_nll(model):
+        with torch.no_grad():
+            nll = -model(ids).logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        return nll[:, 121:].mean().item()      # from the second token of the repeat on
+
+    one = init_model(shape, load_tokenizer(tok_dir), seed=0)
+    two = init_model(replace(shape, induction_ngram=2), load_tokenizer(tok_dir), seed=0)
+    assert repeat_nll(two) < 0.5 * repeat_nll(one)
+    with pytest.raises(ValueError, match="no room"):
+        init_model(replace(shape, hidden_size=160, induction_ngram=2), load_tokenizer(tok_dir))
+    save_model(two, tmp_path / "m", dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, two(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir, tmp_path):
     from learner.recipe import RecipeConfig, run_recipe
     out = tmp_path / "recipe"
