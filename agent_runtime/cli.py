@@ -275,6 +275,38 @@ def sessions_list(limit: int = 20, show_all: bool = False, as_json: bool = False
                    f"{r['message_count']:>4} msgs  {origin}{task[:60]}")
 
 
+@sessions.command("clean")
+@click.option("--older-than", "days", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Keep copies whose latest session started less than this many days ago.")
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+def sessions_clean(days: float, dry_run: bool) -> None:
+    """Delete the workspace copies `run --copy` left under $APPRENTICE_HOME/workspaces
+    (never one a running session uses). The sessions stay listed; their files go."""
+    import datetime as dt
+
+    from agent_runtime.store import SessionStore
+    with SessionStore() as store:
+        root = store.home / "workspaces"
+        copies = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        cutoff = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=days)
+        removed, freed = 0, 0
+        for copy in copies:
+            used = store.sessions_in(copy.resolve())
+            if any(s["status"] == "running" and not s["interrupted"] for s in used):
+                click.echo(f"in use   {copy.name}")
+                continue
+            if used and dt.datetime.fromisoformat(used[0]["created_at"]) > cutoff:
+                continue
+            size = sum(f.stat().st_size for f in copy.rglob("*") if f.is_file() and not f.is_symlink())
+            click.echo(f"{'would remove' if dry_run else 'removed'} {copy.name} "
+                       f"({size / 2**20:.1f} MB, {len(used)} session{'s' * (len(used) != 1)})")
+            if not dry_run:
+                shutil.rmtree(copy)
+            removed, freed = removed + 1, freed + size
+    click.echo(f"{removed} cop{'ies' if removed != 1 else 'y'} "
+               f"{'to remove' if dry_run else 'removed'}, {freed / 2**20:.1f} MB")
+
+
 @sessions.command("show")
 @click.argument("session_id")
 @click.option("--full", is_flag=True, help="Show message contents without truncation.")

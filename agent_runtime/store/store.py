@@ -398,6 +398,12 @@ class SessionStore:
                           "s.rowid DESC LIMIT ?", [int(limit)])
         return [self._session(r) for r in rows]
 
+    def sessions_in(self, workspace: str | Path) -> list[dict]:
+        """Every session (any origin) that ran in `workspace`, newest first."""
+        rows = self._rows(self._SESSION_SQL + " WHERE s.workspace = ? ORDER BY s.created_at DESC",
+                          [str(workspace)])
+        return [self._session(r) for r in rows]
+
     def messages(self, session_id: str, segment: int | None = None) -> list[dict]:
         """Messages ordered by idx (optionally one segment's), JSON fields decoded."""
         session_id = self._resolve(session_id)

@@ -201,3 +201,26 @@ def test_a_replay_file_with_bad_json_is_named_in_the_error(home, workspace, tmp_
                                        "--policy", f"replay:{bad}"])
     assert result.exit_code == 1
     assert f"{bad}: not valid JSON" in " ".join(result.output.split())
+
+
+def test_sessions_clean_removes_copies_but_not_one_in_use(home, workspace):
+    for _ in range(2):
+        assert invoke("run", "Fix the failing test", "-w", workspace, "--copy",
+                      "--policy", f"replay:{FIX}").exit_code == 0
+    copies = sorted((home / "workspaces").iterdir())
+    assert len(copies) == 2
+    with SessionStore(home) as store:            # a session still running in the second copy
+        busy = store.sessions_in(copies[1].resolve())[0]["id"]
+        store.set_status(busy, "running")
+    assert "would remove" in invoke("sessions", "clean", "--dry-run").output
+    assert len(list((home / "workspaces").iterdir())) == 2
+    assert "1 copy to remove" in invoke("sessions", "clean", "--older-than", "0",
+                                        "--dry-run").output
+    kept = invoke("sessions", "clean", "--older-than", "1")
+    assert "0 copies removed" in kept.output                # both started today
+    out = invoke("sessions", "clean").output
+    assert f"removed {copies[0].name}" in out and f"in use   {copies[1].name}" in out
+    assert sorted((home / "workspaces").iterdir()) == [copies[1]]
+    assert (workspace / "calc.py").exists()                  # the original is never touched
+    with SessionStore(home) as store:
+        assert len(store.list_sessions()) == 2               # sessions stay listed
