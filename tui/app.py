@@ -26,7 +26,7 @@ from textual.widgets import Footer, Input, Static
 
 from tui import runner
 from agent_runtime.approvals import MODES, ApprovalGate, ApprovalStore, Request, gated
-from tui.screens import ApprovalScreen, FeedbackScreen, SessionsScreen
+from tui.screens import ApprovalScreen, FeedbackScreen, HelpScreen, SessionsScreen
 from tui.widgets import AssistantMessage, ChatLog
 
 END_NOTES = {
@@ -39,7 +39,8 @@ END_NOTES = {
 
 INTRO = ("New session. Write a task below. esc cancels a run · ctrl+r resumes an earlier "
          "session · ↑ from the empty input selects messages, then + / - rates them · "
-         "ctrl+u / ctrl+d rate the whole session · ctrl+t switches approvals · ctrl+q quits")
+         "ctrl+u / ctrl+d rate the whole session · ctrl+t switches approvals · f1 help · "
+         "ctrl+q quits")
 
 
 class PromptInput(Input):
@@ -71,6 +72,9 @@ class ApprenticeApp(App):
         Binding("ctrl+t", "cycle_approval", "approvals"),
         Binding("ctrl+u", "rate_session(1)", "+1 session"),
         Binding("ctrl+d", "rate_session(-1)", "-1 session"),
+        Binding("f1", "help", "help"),
+        Binding("question_mark", "help", "help", show=False),   # the input types its own ?
+        Binding("ctrl+q", "quit", "quit"),
     ]
 
     def __init__(self, settings: runner.Settings | None = None, *, policy: Any = None,
@@ -341,7 +345,7 @@ class ApprenticeApp(App):
             self.chat.waiting(request.tool, False)
             reply(answer)
 
-        self.push_screen(ApprovalScreen(request), answered)
+        self.push_screen(ApprovalScreen(request, self.workspace), answered)
 
     def action_cycle_approval(self) -> None:
         if self.gate is None:
@@ -372,6 +376,13 @@ class ApprenticeApp(App):
         self.chat.clear()
         self.chat.note(INTRO, "dim")
         self.refresh_status()
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        mode = self.gate.mode if self.gate else self.settings.approval
+        self.push_screen(HelpScreen(f"approvals now: {mode} · workspace "
+                                    f"{runner.short_path(self.workspace)}"))
 
     def action_sessions(self) -> None:
         if self.running or self.store is None:
@@ -419,6 +430,7 @@ class ApprenticeApp(App):
 
     def _rated(self, answer: dict | None, widget: AssistantMessage | None) -> None:
         if answer is None:
+            self.notify("rating cancelled: nothing recorded", timeout=3)
             return
         self.record_feedback(self.session_id, widget, **answer)
 

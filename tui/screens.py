@@ -6,6 +6,7 @@ does (release a tool call, write a feedback row, load a session).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -38,16 +39,16 @@ class ApprovalScreen(ModalScreen[str]):
         Binding("n,escape", "answer('no')", "no"),
     ]
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, workspace: Path | None = None):
         super().__init__(classes="dialog-screen")
-        self.request = request
+        self.request, self.workspace = request, workspace
 
     def compose(self) -> ComposeResult:
         what = "run this command" if self.request.tool == "run_command" else "change this file"
         with Vertical(id="approval", classes="dialog"):
             yield Static(f"Allow apprentice to {what}?", classes="dialog-title")
             with VerticalScroll(classes="approval-preview"):
-                yield Static(preview(self.request.tool, self.request.arguments))
+                yield Static(preview(self.request.tool, self.request.arguments, self.workspace))
             with Horizontal(classes="buttons"):
                 yield Button("Yes (y)", id="yes", variant="success")
                 yield Button(f"Yes, {self.request.always_label} (a)", id="always",
@@ -69,8 +70,9 @@ class ApprovalScreen(ModalScreen[str]):
 class FeedbackScreen(ModalScreen[dict | None]):
     """Rate a message or the session: an optional reason (down ratings) and a comment.
 
-    Enter on a reason moves to the comment; Enter in the comment (or ctrl+s) sends;
-    Esc closes without recording anything."""
+    Enter on a reason sends with that reason (tab first to add a comment); Enter in the
+    comment (or ctrl+s) sends with the highlighted reason; Esc closes without recording
+    anything, and the app says so."""
 
     BINDINGS = [
         Binding("escape", "cancel", "cancel"),
@@ -98,6 +100,8 @@ class FeedbackScreen(ModalScreen[dict | None]):
             with Horizontal(classes="buttons"):
                 yield Button("Send (enter)", id="send", variant="primary")
                 yield Button("Cancel (esc)", id="cancel")
+            hint = "enter: send · tab: add a comment first · " if self.rating < 0 else "enter: send · "
+            yield Static(hint + "esc: cancel (nothing recorded)", classes="dialog-hint")
 
     def on_mount(self) -> None:
         if self.rating < 0:
@@ -108,7 +112,7 @@ class FeedbackScreen(ModalScreen[dict | None]):
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         event.stop()
         self.reason = event.option.id or None
-        self.query_one("#comment", Input).focus()
+        self.action_submit()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
@@ -124,7 +128,7 @@ class FeedbackScreen(ModalScreen[dict | None]):
     def action_submit(self) -> None:
         if self.rating < 0 and self.reason is None:
             options = self.query_one("#reasons", OptionList)
-            if options.highlighted is not None and options.has_focus:
+            if options.highlighted is not None:
                 self.reason = options.get_option_at_index(options.highlighted).id or None
         comment = self.query_one("#comment", Input).value.strip()
         self.dismiss({"rating": self.rating, "reason": self.reason, "comment": comment or None})
@@ -176,3 +180,47 @@ class SessionsScreen(ModalScreen[str | None]):
 _STATUS_STYLE: dict[str, Any] = {"finished": "green", "failed": "red", "running": "yellow",
                                  "cancelled": "magenta", "budget_exhausted": "yellow",
                                  "interrupted": "red"}
+
+
+HELP = [
+    ("Writing", [("enter", "send the task or message"),
+                 ("↑ (empty input)", "go to the messages, to rate them")]),
+    ("On a message", [("+ / -", "rate it up or down"), ("↑ / ↓", "previous / next message"),
+                      ("enter or i", "back to the input"), ("esc", "back to the input")]),
+    ("Anywhere", [("esc", "cancel the run in progress (the session is kept)"),
+                  ("ctrl+u / ctrl+d", "rate the whole session up / down"),
+                  ("ctrl+r", "sessions in this workspace: open one to continue it"),
+                  ("ctrl+n", "new session"),
+                  ("ctrl+t", "approvals: ask → auto-edit → full-auto"),
+                  ("f1 or ?", "this help"), ("ctrl+q", "quit")]),
+    ("When asked", [("y", "allow once"), ("a", "always allow (this workspace)"),
+                    ("n or esc", "refuse: the agent is told to do something else")]),
+]
+
+
+class HelpScreen(ModalScreen[None]):
+    """The keys, grouped by where they work; any of esc, f1, ? or q closes it."""
+
+    BINDINGS = [Binding("escape,f1,question_mark,q", "close", "close")]
+
+    def __init__(self, status: str = ""):
+        super().__init__(classes="dialog-screen")
+        self.status = status
+
+    def compose(self) -> ComposeResult:
+        text = Text()
+        for group, keys in HELP:
+            text.append(f"{group}\n", style="bold")
+            for key, what in keys:
+                text.append(f"  {key:<18}", style="cyan")
+                text.append(f"{what}\n")
+        with Vertical(id="help", classes="dialog"):
+            yield Static("apprentice: keys", classes="dialog-title")
+            with VerticalScroll():
+                yield Static(text)
+            if self.status:
+                yield Static(self.status, classes="dialog-hint")
+            yield Static("esc: close", classes="dialog-hint")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -8,7 +8,9 @@ the agent nor writes to the store.
 
 from __future__ import annotations
 
+import difflib
 import json
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -61,9 +63,42 @@ def call_label(name: str | None, arguments: Any) -> str:
     return f"{name} {_short(args)}" if args else name
 
 
-def preview(name: str | None, arguments: Any) -> Any:
-    """What a call is about to do: a diff for edits, the content for writes, the command."""
+def planned_diff(name: str | None, arguments: Any, workspace: Path) -> str | None:
+    """The unified diff (3 lines of context, real line numbers) an `edit_file` or a
+    `write_file` over an existing file would make, computed from the file as it is now; None
+    when it cannot be told (no such file, `old` not found, a path outside the workspace)."""
     args = arguments if isinstance(arguments, dict) else {}
+    path = args.get("path")
+    if name not in ("edit_file", "write_file") or not isinstance(path, str) or not path:
+        return None
+    target = (workspace / path).resolve()
+    if not target.is_relative_to(workspace.resolve()) or not target.is_file():
+        return None
+    try:
+        before = target.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if name == "write_file":
+        after = args.get("content")
+        if not isinstance(after, str):
+            return None
+    else:
+        old, new = args.get("old"), args.get("new")
+        if not isinstance(old, str) or not isinstance(new, str) or not old or old not in before:
+            return None
+        after = before.replace(old, new) if args.get("replace_all") else before.replace(old, new, 1)
+    diff = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                f"a/{path}", f"b/{path}")
+    return "".join(line if line.endswith("\n") else line + "\n" for line in diff)
+
+
+def preview(name: str | None, arguments: Any, workspace: Path | None = None) -> Any:
+    """What a call is about to do: a diff for edits (against the file as it is, when
+    `workspace` is given), the content for writes, the command."""
+    args = arguments if isinstance(arguments, dict) else {}
+    diff = planned_diff(name, arguments, workspace) if workspace is not None else None
+    if diff is not None:
+        return _syntax(clip(diff, 80), "diff")
     if name == "edit_file" and isinstance(args.get("old"), str) and isinstance(args.get("new"), str):
         path = args.get("path", "")
         lines = [f"--- {path}", f"+++ {path}"]
@@ -130,6 +165,10 @@ class ToolPanel(Collapsible):
     def __init__(self, call_id: str | None, name: str | None, arguments: Any):
         self.call_id, self.tool_name, self.arguments = call_id, name, arguments
         self.args_view = Static(preview(name, arguments), classes="tool-args")
+        # a short one-line command is all in the title already: not again in the body
+        command = (arguments or {}).get("command") if isinstance(arguments, dict) else None
+        self.args_view.display = not (name == "run_command" and isinstance(command, str)
+                                      and "\n" not in command and len(command) < 70)
         self.result = Static("", classes="tool-result")
         self.result.display = False
         self.status = "running"

@@ -119,7 +119,7 @@ async def test_thumbs_down_with_reason_writes_a_feedback_row(workspace):
         assert isinstance(focused, AssistantMessage) and focused.body.text.startswith("Let me")
         await pilot.press("minus")
         assert isinstance(app.screen, FeedbackScreen)
-        await pilot.press("down", "down", "enter")         # (none), misunderstood, wrong_change
+        await pilot.press("down", "down", "tab")           # (none), misunderstood, wrong_change
         await pilot.press(*"nope")
         await pilot.press("enter")
         await app.workers.wait_for_complete()
@@ -128,6 +128,72 @@ async def test_thumbs_down_with_reason_writes_a_feedback_row(workspace):
         assert "rated -1" in plain(focused.rated)
     assert [(r["rating"], r["reason"], r["comment"], r["message_id"], r["source"]) for r in rows] \
         == [(-1, "wrong_change", "nope", focused.message_id, "explicit")]
+
+
+async def test_enter_on_a_reason_sends_and_escape_says_nothing_was_recorded(workspace):
+    app = make_app(workspace, [FINISH])
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "nothing to do")
+        await until_idle(pilot)
+        await pilot.press("ctrl+d")
+        assert isinstance(app.screen, FeedbackScreen)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, FeedbackScreen)
+        assert any("nothing recorded" in n.message for n in app._notifications)
+        assert SessionStore().feedback(app.session_id) == []
+        await pilot.press("ctrl+d")
+        await pilot.press("down", "enter")                 # misunderstood: sent at once
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert not isinstance(app.screen, FeedbackScreen)
+        rows = SessionStore().feedback(app.session_id)
+    assert [(r["rating"], r["reason"], r["message_id"]) for r in rows] == [(-1, "misunderstood", None)]
+
+
+async def test_f1_and_question_mark_open_the_keys_and_the_footer_shows_quit(workspace):
+    from textual.widgets import Footer
+    from tui.screens import HelpScreen
+    app = make_app(workspace, [FINISH])
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")                 # in the input: just a character
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        shown = " ".join(plain(w) for w in app.screen.query("Static"))
+        assert "ctrl+q" in shown and "rate the whole session" in shown
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await send(pilot, "nothing to do")
+        await until_idle(pilot)
+        await pilot.press("up")                            # to the messages: ? is help there
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        footer_keys = {b.binding.key for b in app.active_bindings.values() if b.binding.show}
+    assert "ctrl+q" in footer_keys and "f1" in footer_keys
+
+
+async def test_the_approval_prompt_shows_the_edit_as_a_diff_of_the_file(workspace):
+    app = make_app(workspace, [EDIT, FINISH])
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "fix add")
+        await wait_for(pilot, lambda: isinstance(app.screen, ApprovalScreen), what="approval")
+        shown = " ".join(plain(w) for w in app.screen.query("Static"))
+        await pilot.press("n")
+        await until_idle(pilot)
+    assert "--- a/calc.py" in shown and "+++ b/calc.py" in shown and "@@ -" in shown
+    assert "def add(a, b):" in shown                       # context around the change
+    assert "-    return a - b" in shown and "+    return a + b" in shown
+
+
+async def test_a_short_command_is_shown_once(workspace):
+    app = make_app(workspace, [TEST, FINISH], approval="full-auto")
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "run the tests")
+        await until_idle(pilot)
+        run = panel(app, "run_command")
+        assert "python3 test_calc.py" in run.title and not run.args_view.display
 
 
 async def test_session_thumbs_up_key_rates_the_whole_session(workspace):
