@@ -144,7 +144,8 @@ class EnginePolicy:
             routes = gen.routes.numpy() if gen.routes is not None else None
             out.append(Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
                                   logprobs=gen.logprobs, routes=routes,
-                                  finish_reason=gen.finish_reason, version=version))
+                                  finish_reason=gen.finish_reason, version=version,
+                                  temperature=self.config.temperature))
         return out
 
     # -- weight updates ------------------------------------------------------------------

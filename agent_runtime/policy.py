@@ -27,6 +27,8 @@ class Completion:
     finish_reason: str = "stop"                # "stop" | "length" | "eos" | "cancelled"
     version: int = 0                           # policy version that produced it
     meta: dict[str, Any] = field(default_factory=dict)
+    temperature: float | None = None           # what the logprobs are of: logits / T (0:
+                                               # greedy, unscaled); None: not a model's
 
 
 @runtime_checkable

@@ -44,6 +44,8 @@ class TrainSample:
     version: int                     # policy version that generated it (all its tokens)
     advantage: float                 # its episode's group-relative advantage
     session_id: str | None = None
+    temperature: float | None = None # the logprobs are of logits / T (0 or None: unscaled);
+                                     # None: the trainer's own `temperature`
 
     @property
     def n_tokens(self) -> int:
@@ -104,7 +106,8 @@ def group_samples(group: Group, config: LossConfig | None = None) -> list[TrainS
                                    completion_ids=list(s["completion_ids"]),
                                    logprobs=list(s["logprobs"]), routes=s.get("routes"),
                                    version=int(s["policy_version"]), advantage=float(a),
-                                   session_id=episode.session_id))
+                                   session_id=episode.session_id,
+                                   temperature=s.get("temperature")))
     return out
 
 

@@ -84,8 +84,9 @@ class OnlineConfig:
                                     # the version line when the store is empty
     versions: str | None = None     # version store folder (None: $APPRENTICE_HOME/versions)
     trainer: TrainerConfig = field(default_factory=_trainer_defaults)  # objective, AdamW,
-                                    # replay; temperature 0: runtimes sample greedily and
-                                    # record logprobs at temperature 1; kl_coef: KL to serving
+                                    # replay; each sample's logprobs are recomputed at the
+                                    # temperature it was recorded at (greedy: unscaled), the
+                                    # configured one only for rows without; kl_coef: KL to serving
     steps: int = 1                  # optimizer steps per cycle, each over all its samples
     max_update: float = 1e-3        # trust region: relative L2 norm of one cycle's change
     max_staleness: int = 8          # samples more versions behind than this are dropped
@@ -261,7 +262,8 @@ class OnlineLearner:
             out.append(_Sample(prompt_ids=row["prompt_ids"], completion_ids=row["completion_ids"],
                                logprobs=row["logprobs"], routes=row["routes"],
                                version=row["policy_version"], advantage=r - baseline,
-                               session_id=row["session_id"], advantage_reward=r))
+                               session_id=row["session_id"], advantage_reward=r,
+                               temperature=row["temperature"]))
         return out
 
     def baseline(self) -> float:

@@ -89,7 +89,7 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
             store.add_message(sid, 0, "user", task.prompt)
             mid = store.add_message(sid, 0, "assistant", c.text)
             store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,
-                             c.version, c.finish_reason)
+                             c.version, c.finish_reason, c.temperature)
             reward = toy_reward(c.completion_ids, policy.stop_token_ids)
             store.set_status(sid, "finished", summary=f"reward {reward:.3f}")
             episodes.append(Episode(sid, reward, passed=reward > 0.5))

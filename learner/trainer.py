@@ -153,8 +153,9 @@ class Trainer:
         with self._router_choices(chosen) if model is self.model else contextlib.nullcontext():
             out = model(ids.to(dev), routes=routes, logits_to_keep=keep)
         rows = [out.logits[b, P[b] - p0:P[b] - p0 + T[b]] for b in range(B)]
-        temp = self.config.temperature if self.config.temperature > 0 else 1.0
-        logits = torch.cat(rows).float() / temp                              # [sum T, V]
+        temps = torch.tensor([_scale(s.temperature, self.config.temperature) for s in samples
+                              for _ in range(len(s.completion_ids))], device=dev)
+        logits = torch.cat(rows).float() / temps[:, None]                    # [sum T, V]
         target = torch.tensor([t for s in samples for t in s.completion_ids],
                               dtype=torch.long, device=dev)
         lp = logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]        # [sum T]
@@ -367,6 +368,13 @@ class _Acc:
                 "clip_frac": mean_or_nan(clipped, n),
                 "truncated_frac": mean_or_nan(self.stats.get("truncated", 0), n),
                 "ref_kl": mean_or_nan(self.stats.get("ref_kl_sum", 0.0), n)}
+
+
+def _scale(recorded: float | None, configured: float) -> float:
+    """What a sample's logits are divided by: the temperature its logprobs were recorded at
+    (`TrainSample.temperature`; 0 = greedy, recorded unscaled), else the configured one."""
+    t = configured if recorded is None else recorded
+    return t if t > 0 else 1.0
 
 
 def _fed_len(sample: TrainSample) -> int:

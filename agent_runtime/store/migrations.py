@@ -219,6 +219,14 @@ def m003_learning_from_use(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+@migration
+def m004_sample_temperature(db: sqlite_utils.Database) -> None:
+    """The temperature a sample's logprobs were recorded at: > 0 sampled from logits / T;
+    0 greedy (logprobs of the unscaled distribution); NULL not recorded (older rows, scripted
+    policies), read as the unscaled distribution."""
+    db.execute("ALTER TABLE samples ADD COLUMN temperature REAL CHECK (temperature >= 0)")
+
+
 def _applied(db: sqlite_utils.Database) -> set[str]:
     if not db["_migrations"].exists():
         return set()

@@ -249,8 +249,9 @@ class SessionStore:
 
     def add_sample(self, session_id: str, segment: int, message_id: int | None, prompt_ids,
                    completion_ids, logprobs, routes, policy_version: int,
-                   finish_reason: str = "stop") -> int:
-        """Record one model call as compact blobs (see `blobs`); returns its row id."""
+                   finish_reason: str = "stop", temperature: float | None = None) -> int:
+        """Record one model call as compact blobs (see `blobs`); returns its row id.
+        `temperature`: what the logprobs were recorded at (0 greedy, None unknown)."""
         prompt = blobs.encode_ids(prompt_ids)
         completion = blobs.encode_ids(completion_ids)
         lps = blobs.encode_logprobs(logprobs)
@@ -268,10 +269,11 @@ class SessionStore:
                 "INSERT INTO samples (session_id, segment, message_id, prompt_ids, "
                 "completion_ids, logprobs, n_prompt, n_completion, routes, routes_dtype, "
                 "routes_tokens, routes_layers, routes_k, policy_version, finish_reason, "
-                "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "temperature, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                "?, ?)",
                 [session_id, segment, message_id, prompt, completion, lps, len(prompt) // 4,
                  len(completion) // 4, r_blob, r_dtype, r_t, r_l, r_k, int(policy_version),
-                 finish_reason, _now()])
+                 finish_reason, None if temperature is None else float(temperature), _now()])
 
     def link_sample(self, sample_id: int, message_id: int) -> None:
         """Attach a sample recorded before its message existed to that message."""
@@ -461,7 +463,7 @@ class SessionStore:
             "logprobs": blobs.decode_logprobs(r["logprobs"]),
             "routes": blobs.decode_routes(r["routes"], r["routes_dtype"], shape),
             "policy_version": r["policy_version"], "finish_reason": r["finish_reason"],
-            "created_at": r["created_at"],
+            "temperature": r["temperature"], "created_at": r["created_at"],
         }
 
     def feedback(self, session_id: str | None = None) -> list[dict]:

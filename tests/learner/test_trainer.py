@@ -2,6 +2,7 @@
 metrics, checkpoints and resume, and reward rising on a trivially learnable task family."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,29 @@ def test_replay_reproduces_behaviour_logprobs_on_policy(ckpt, tmp_path):
         assert out.flips == 0 and out.routed == s.routes.shape[0] * s.routes.shape[1]
     m = t.measure(samples)
     assert m["flip_rate"] == 0.0 and m["max_logprob_diff"] < 1e-5 and m["kl"] < 1e-9
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_samples_recorded_at_any_temperature_train_against_their_own_logprobs(
+        ckpt, tmp_path, temperature):
+    """Recorded through the agent loop and the store, a sample keeps the temperature its
+    logprobs were taken at; the trainer (configured for another) reproduces them exactly."""
+    from agent_runtime.agent import Agent, AgentConfig
+    policy = load_policy(str(ckpt), dtype="float32", temperature=temperature, max_new_tokens=10)
+    store = SessionStore(tmp_path / "home")
+    torch.manual_seed(0)
+    Agent(policy, store=store, workspace=tmp_path, config=AgentConfig(max_steps=2)).run("Say hi.")
+    rows = store.samples(store.list_sessions(1)[0]["id"])
+    assert rows and all(r["temperature"] == temperature for r in rows)
+    t = trainer(ckpt, tmp_path / "run", temperature=1.3)
+    for r in rows:
+        sample = TrainSample(r["prompt_ids"], r["completion_ids"], r["logprobs"], r["routes"],
+                             r["policy_version"], advantage=1.0, temperature=r["temperature"])
+        out = t.forward(sample, replay=True)
+        assert (out.logprobs - torch.tensor(r["logprobs"])).abs().max() < 1e-5
+        unscaled = t.forward(replace(sample, temperature=None), replay=True)   # at the configured 1.3
+        assert (unscaled.logprobs - torch.tensor(r["logprobs"])).abs().max() > 1e-3
+    store.close()
 
 
 def test_replay_forces_the_recorded_experts(ckpt, tmp_path):
