@@ -15,7 +15,6 @@ nothing; the GRPO trainer consumes the `Episode`s and the stored samples.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -109,26 +108,13 @@ def run_episodes(policy_factory: Callable[[TaskInstance], Any], tasks: list[Task
 
 def record_reward(store, session_id: str, task: TaskInstance, graded: Grade) -> int:
     """Add the grade of `session_id` to the store's `rewards` table; returns the row id."""
-    import datetime as _dt
     meta = {"violations": graded.violations, "exit_code": graded.exit_code,
             "grade_s": round(graded.duration_s, 3), "difficulty": task.difficulty}
-    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
-    with store.transaction():
-        return store.db.execute(
-            "INSERT INTO rewards (session_id, task_id, family, split, reward, passed, cheated, "
-            "detail, meta, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [session_id, task.id, task.family, task.split, float(graded.reward),
-             int(graded.passed), int(graded.cheated), graded.detail, json.dumps(meta),
-             now]).lastrowid
+    return store.add_reward(session_id, task.id, graded.reward, graded.passed,
+                            family=task.family, split=task.split, cheated=graded.cheated,
+                            detail=graded.detail, meta=meta)
 
 
 def rewards(store, session_id: str | None = None) -> list[dict]:
-    """Recorded rewards (all, or one session's), oldest first; JSON and flags decoded."""
-    sql, params = "SELECT * FROM rewards", []
-    if session_id is not None:
-        sql, params = sql + " WHERE session_id = ?", [session_id]
-    rows = list(store.db.query(sql + " ORDER BY id", params))
-    for r in rows:
-        r["meta"] = json.loads(r["meta"]) if r["meta"] else None
-        r["passed"], r["cheated"] = bool(r["passed"]), bool(r["cheated"])
-    return rows
+    """Recorded rewards (all, or one session's), oldest first (`SessionStore.rewards`)."""
+    return store.rewards(session_id)

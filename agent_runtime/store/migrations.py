@@ -4,7 +4,10 @@ Each migration is a function `mNNN_name(db)` registered with `@migration`, appli
 order, and recorded in the `_migrations` table. `migrate()` runs every missing migration in a
 single `BEGIN IMMEDIATE` transaction, so two processes opening a fresh database at the same time
 serialize on SQLite's write lock: the first applies the migrations, the second finds them
-recorded and does nothing. Never edit a released migration; add a new one.
+recorded and does nothing. Never edit a released migration; add a new one. Migrations are
+literal SQL: a CHECK lists its values as written when it was released, not a constant that
+may change later (`tests/agent_runtime/test_store.py` checks the schema still agrees with
+the constants, so a changed constant asks for a new migration).
 
 This module owns the schema only; reading and writing rows is `store.py`'s job.
 """
@@ -16,8 +19,6 @@ from typing import Callable
 
 import sqlite_utils
 
-from agent_runtime.names import CYCLE_STATUSES, ORIGIN_USER, ORIGINS
-from agent_runtime.store.blobs import ROUTES_DTYPES
 
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = []
 
@@ -31,14 +32,8 @@ def migration(fn: Callable[[sqlite_utils.Database], None]):
     return fn
 
 
-def _quoted(values) -> str:
-    return ", ".join(f"'{v}'" for v in values)
-
-
 @migration
 def m001_initial(db: sqlite_utils.Database) -> None:
-    reasons = _quoted(FEEDBACK_REASONS)
-    route_dtypes = _quoted(ROUTES_DTYPES)
     for sql in [
         """CREATE TABLE sessions (
             id TEXT PRIMARY KEY,                 -- uuid4 hex
@@ -94,7 +89,7 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         )""",
         "CREATE INDEX tool_calls_session ON tool_calls (session_id)",
         "CREATE INDEX tool_calls_message ON tool_calls (message_id)",
-        f"""CREATE TABLE samples (
+        """CREATE TABLE samples (
             id INTEGER PRIMARY KEY,
             session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
             segment INTEGER NOT NULL,
@@ -105,7 +100,7 @@ def m001_initial(db: sqlite_utils.Database) -> None:
             n_prompt INTEGER NOT NULL,
             n_completion INTEGER NOT NULL,
             routes BLOB,                         -- [T, L, k] in routes_dtype, or NULL
-            routes_dtype TEXT CHECK (routes_dtype IN ({route_dtypes})),
+            routes_dtype TEXT CHECK (routes_dtype IN ('uint8', 'int16')),
             routes_tokens INTEGER,
             routes_layers INTEGER,
             routes_k INTEGER,
@@ -120,12 +115,13 @@ def m001_initial(db: sqlite_utils.Database) -> None:
                    * CASE routes_dtype WHEN 'uint8' THEN 1 ELSE 2 END)
         )""",
         "CREATE INDEX samples_session ON samples (session_id)",
-        f"""CREATE TABLE feedback (
+        """CREATE TABLE feedback (
             id INTEGER PRIMARY KEY,
             session_id TEXT NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
             message_id INTEGER REFERENCES messages (id) ON DELETE CASCADE,
             rating INTEGER NOT NULL CHECK (rating IN (-1, 1)),
-            reason TEXT CHECK (reason IS NULL OR reason IN ({reasons})),
+            reason TEXT CHECK (reason IS NULL OR reason IN ('misunderstood', 'wrong_change', 
+                'unnecessary_change', 'should_ask', 'incomplete', 'other')),
             source TEXT NOT NULL DEFAULT 'explicit',   -- explicit | edit_kept | edit_reverted | ...
             comment TEXT,
             created_at TEXT NOT NULL
@@ -167,16 +163,16 @@ def m003_learning_from_use(db: sqlite_utils.Database) -> None:
     """Learning from use: who made a session (`origin`: user, eval, rollout) and whether it
     may be learned from (`learn`), the online learner's cycles, and which samples a finished
     cycle consumed (each sample at most once)."""
-    origins, statuses = _quoted(ORIGINS), _quoted(CYCLE_STATUSES)
     for sql in [
-        f"""ALTER TABLE sessions ADD COLUMN origin TEXT NOT NULL DEFAULT '{ORIGIN_USER}'
-            CHECK (origin IN ({origins}))""",
+        """ALTER TABLE sessions ADD COLUMN origin TEXT NOT NULL DEFAULT 'user'
+            CHECK (origin IN ('user', 'eval', 'rollout'))""",
         "ALTER TABLE sessions ADD COLUMN learn INTEGER NOT NULL DEFAULT 1",  # 0: never trained on
         # graded sessions are never a person's: rollouts and evaluations made before this
         "UPDATE sessions SET origin = 'rollout' WHERE id IN (SELECT session_id FROM rewards)",
-        f"""CREATE TABLE learner_cycles (
+        """CREATE TABLE learner_cycles (
             id INTEGER PRIMARY KEY,
-            status TEXT NOT NULL CHECK (status IN ({statuses})),
+            status TEXT NOT NULL CHECK (status IN ('running', 'publishing', 'published',
+                'rejected', 'empty', 'interrupted', 'failed')),
             pid INTEGER,                         -- the learner process running it
             base_version INTEGER,                -- the serving version it trained from
             version INTEGER,                     -- the version it published, or NULL

@@ -466,6 +466,30 @@ class SessionStore:
             "temperature": r["temperature"], "created_at": r["created_at"],
         }
 
+    def add_reward(self, session_id: str, task_id: str, reward: float, passed: bool, *,
+                   family: str | None = None, split: str | None = None, cheated: bool = False,
+                   detail: str | None = None, meta: dict | None = None) -> int:
+        """Record the grade of a graded session (a simulated task, a task folder); returns the
+        row id."""
+        with self.transaction():
+            session_id = self._resolve(session_id)
+            return self._insert(
+                "INSERT INTO rewards (session_id, task_id, family, split, reward, passed, "
+                "cheated, detail, meta, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [session_id, task_id, family, split, float(reward), int(passed), int(cheated),
+                 detail, None if meta is None else json.dumps(meta), _now()])
+
+    def rewards(self, session_id: str | None = None) -> list[dict]:
+        """Recorded grades (all, or one session's), oldest first; JSON and flags decoded."""
+        sql, params = "SELECT * FROM rewards", []
+        if session_id is not None:
+            sql, params = sql + " WHERE session_id = ?", [self._resolve(session_id)]
+        rows = self._rows(sql + " ORDER BY id", params)
+        for r in rows:
+            r["meta"] = _loads(r["meta"])
+            r["passed"], r["cheated"] = bool(r["passed"]), bool(r["cheated"])
+        return rows
+
     def feedback(self, session_id: str | None = None) -> list[dict]:
         """Feedback rows in the order given, for one session or all."""
         if session_id is None:

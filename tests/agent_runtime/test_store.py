@@ -357,3 +357,40 @@ def test_sigkill_at_random_points_leaves_a_consistent_db(tmp_path):
     finish(run_python(KILLER, str(tmp_path), str(trials), str(time.time_ns())))
     written = [check_consistent(tmp_path / str(t)) for t in range(trials)]
     assert sum(n > 1 for n in written) >= trials // 2     # most kills hit the write loop
+
+
+def test_the_schema_checks_agree_with_the_constants_the_code_uses(tmp_path):
+    """Migrations are literal SQL; when a constant changes, this says a migration is due."""
+    import re
+
+    from agent_runtime.names import CYCLE_STATUSES, ORIGINS
+    from agent_runtime.store import FEEDBACK_REASONS
+    from agent_runtime.store.blobs import ROUTES_DTYPES
+    store = SessionStore(tmp_path)
+    schema = " ".join(r[0] for r in store.db.execute(
+        "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL").fetchall())
+    store.close()
+
+    def listed(column: str) -> set[str]:
+        lists = re.findall(rf"{column} IN \(([^)]*)\)", schema)
+        assert len(lists) == 1, column
+        return set(re.findall(r"'([^']*)'", lists[0]))
+
+    assert listed("reason") == set(FEEDBACK_REASONS)
+    assert listed("routes_dtype") == set(ROUTES_DTYPES)
+    assert listed("origin") == set(ORIGINS)
+    assert listed("status") >= set(CYCLE_STATUSES)
+
+
+def test_rewards_are_written_and_read_through_the_store(tmp_path):
+    store = SessionStore(tmp_path)
+    sid = store.create_session("t", str(tmp_path), "m", 0, origin="rollout")
+    rid = store.add_reward(sid[:8], "fix_bug/train/1", 1.0, True, family="fix_bug",
+                           split="train", detail="3 passed", meta={"exit_code": 0})
+    (row,) = store.rewards(sid)
+    assert row["id"] == rid and row["passed"] is True and row["cheated"] is False
+    assert row["meta"] == {"exit_code": 0} and row["family"] == "fix_bug"
+    with pytest.raises(KeyError):
+        store.add_reward("no-such-session", "x", 0.0, False)
+    assert len(store.rewards()) == 1
+    store.close()
