@@ -63,7 +63,8 @@ def test_a_wrong_token_never_changes_the_weights(served):
         new = {k: v.clone() for k, v in policy.model.state_dict().items()}
         new["lm_head.weight"] += 1.0
         versions.publish(new)
-        time.sleep(0.5)
+        subscriber.status = ""                          # a refusal from now on: after publishing
+        wait_for(lambda: "401" in subscriber.status)    # it asked again and was refused
         following.complete(MESSAGES)
         assert policy.version == 0 and torch.equal(policy.model.lm_head.weight, before)
     finally:

@@ -143,7 +143,7 @@ def test_a_failing_worker_process_stops_the_run(ckpt, tmp_path):
 def test_a_time_limit_stops_the_run(ckpt, tmp_path):
     pipe, _, _ = build(ckpt, tmp_path, "async", steps=1000)
     stats = pipe.run(max_seconds=0.0)
-    assert pipe.trainer.step_count <= 1 and stats.wall_s >= 0.0
+    assert pipe.trainer.step_count <= 1 and stats.episodes_trained <= 2 * 4   # one step at most
 
 
 def test_rollouts_must_sample_the_full_distribution(ckpt, tmp_path):

@@ -92,7 +92,11 @@ def test_replay_forces_the_recorded_experts(ckpt, tmp_path):
     other = ((s.routes.astype(np.int64) + 1) % E).astype(np.uint8)     # a different expert
     forced = TrainSample(**{**s.__dict__, "routes": other})
     replayed = t.forward(forced, replay=True)
-    assert replayed.flips == replayed.routed                  # the router would choose others
+    tokens = s.routes.shape[0]
+    # at the first MoE layer the input is the rollout's, so its router would choose the
+    # recorded experts, never the forced ones: every token flips there (later layers see
+    # other hidden states and may or may not agree)
+    assert tokens <= replayed.flips <= replayed.routed
     assert (replayed.logprobs - torch.tensor(s.logprobs)).abs().max() > 1e-3
     free = t.forward(forced, replay=False)                    # no replay: routes ignored
     assert (free.logprobs - torch.tensor(s.logprobs)).abs().max() < 1e-5
