@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING
 import click
 
 from agent_runtime.hooks import hookimpl
+from learner.config import OptimConfig, PipelineConfig, RolloutConfig, TrainerConfig
+
+# `learn grpo`'s defaults are the dataclasses' (learner.config imports nothing heavy)
+_ROLLOUT, _TRAINER, _PIPELINE, _OPTIM = RolloutConfig(), TrainerConfig(), PipelineConfig(), OptimConfig()
 
 if TYPE_CHECKING:
     from learner.recipe.evaluate import EvalConfig
@@ -204,34 +208,38 @@ def _run_dir(run_dir: Path | None) -> Path:
 @click.option("--tasks", "family", type=click.Choice(["sim", "toy"]), default="sim",
               show_default=True, help="Task family: simulated coding tasks, or 'toy' (one model "
                                       "call, reward = share of even token ids; a smoke test).")
-@click.option("--group", type=click.IntRange(2), default=8, show_default=True,
+@click.option("--group", type=click.IntRange(2), default=_ROLLOUT.group_size, show_default=True,
               help="Episodes per task (G); advantages are relative to the group.")
-@click.option("--steps", type=click.IntRange(1), default=100, show_default=True,
+@click.option("--steps", type=click.IntRange(1), default=_PIPELINE.steps, show_default=True,
               help="Optimizer steps in total (a resumed run counts on from its checkpoint).")
 @click.option("--sync", is_flag=True, help="Alternate rollouts and training (no overlap).")
 @click.option("--no-replay", is_flag=True, help="Let the router choose again in training "
                                                 "instead of replaying the recorded experts.")
-@click.option("--groups-per-step", type=click.IntRange(1), default=4, show_default=True,
+@click.option("--groups-per-step", type=click.IntRange(1), default=_PIPELINE.groups_per_step,
+              show_default=True,
               help="Task groups in one training batch.")
-@click.option("--lr", type=float, default=1e-6, show_default=True, help="AdamW learning rate.")
-@click.option("--max-staleness", type=click.IntRange(0), default=2, show_default=True,
+@click.option("--lr", type=float, default=_OPTIM.lr, show_default=True, help="AdamW learning rate.")
+@click.option("--max-staleness", type=click.IntRange(0), default=_PIPELINE.max_staleness,
+              show_default=True,
               help="Drop samples more than this many versions behind the trainer.")
-@click.option("--max-new-tokens", type=click.IntRange(1), default=512, show_default=True,
-              help="Tokens per model call in rollouts.")
-@click.option("--max-steps", type=click.IntRange(1), default=20, show_default=True,
-              help="Model calls per episode (simulated tasks).")
-@click.option("--checkpoint-every", type=click.IntRange(1), default=1, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(1), default=_ROLLOUT.max_new_tokens,
+              show_default=True, help="Tokens per model call in rollouts.")
+@click.option("--max-steps", type=click.IntRange(1), default=_ROLLOUT.max_steps,
+              show_default=True, help="Model calls per episode (simulated tasks).")
+@click.option("--checkpoint-every", type=click.IntRange(1), default=_TRAINER.checkpoint_every,
+              show_default=True,
               help="Write a resumable checkpoint every N steps.")
-@click.option("--temperature", type=click.FloatRange(0, min_open=True), default=1.0,
+@click.option("--temperature", type=click.FloatRange(0, min_open=True),
+              default=_TRAINER.temperature,
               show_default=True, help="Rollout sampling temperature.")
 @click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Run folder: checkpoints, metrics.db (default: $APPRENTICE_HOME/runs/grpo). "
                    "A folder with checkpoints resumes.")
 @click.option("--versions", "versions_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Version store to publish to (default: $APPRENTICE_HOME/versions).")
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(0), default=_PIPELINE.seed, show_default=True,
               help="Task order and initial RNG seed.")
-@click.option("--threads", type=click.IntRange(0), default=0,
+@click.option("--threads", type=click.IntRange(0), default=_PIPELINE.torch_threads,
               help="torch threads for the process (0 = torch's default).")
 def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay: bool,
          groups_per_step: int, lr: float, max_staleness: int, max_new_tokens: int,

@@ -61,8 +61,8 @@ class RolloutConfig:
     processes: bool = True          # async workers are processes (no GIL shared with the
                                     # trainer; weights via shared memory); False: threads
     worker_threads: int = 1         # torch intra-op threads of each worker process
-    top_p: float = 1.0              # must stay 1: training logprobs ignore nucleus filtering
-    top_k: int = 0                  # must stay 0: training logprobs ignore top-k filtering
+                                    # (rollouts sample the full distribution: no top-p/top-k,
+                                    # training logprobs are computed without filtering)
 
 
 @dataclass

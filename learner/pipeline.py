@@ -484,8 +484,8 @@ def rollout_policy(config: RunConfig, model_path: str | Path) -> Any:
     from agent_runtime.engine_policy import EnginePolicy
     r = config.rollout
     return EnginePolicy.load(str(model_path), dtype=r.dtype, device=r.device,
-                             temperature=config.trainer.temperature, top_p=r.top_p,
-                             top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+                             temperature=config.trainer.temperature,
+                             max_new_tokens=r.max_new_tokens)
 
 
 def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = None,
@@ -494,9 +494,6 @@ def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = No
     rollout policies loaded and brought to the trainer's version, tasks chosen."""
     from agent_runtime.engine_policy import resolve_model_path
 
-    if config.rollout.top_p != 1.0 or config.rollout.top_k != 0:
-        raise ValueError("rollouts must sample from the full distribution (top_p 1, top_k 0): "
-                         "training logprobs are computed without filtering")
     p = config.pipeline
     if p.torch_threads:
         torch.set_num_threads(p.torch_threads)

@@ -47,6 +47,21 @@ def test_commands_have_help():
         assert "Usage" in out and len(out.splitlines()) > 3
 
 
+def test_grpo_options_default_to_the_config_dataclasses():
+    from learner.cli import grpo
+    from learner.config import RunConfig
+    c = RunConfig()
+    expected = {"group": c.rollout.group_size, "steps": c.pipeline.steps,
+                "groups_per_step": c.pipeline.groups_per_step, "lr": c.trainer.optim.lr,
+                "max_staleness": c.pipeline.max_staleness,
+                "max_new_tokens": c.rollout.max_new_tokens, "max_steps": c.rollout.max_steps,
+                "checkpoint_every": c.trainer.checkpoint_every,
+                "temperature": c.trainer.temperature, "seed": c.pipeline.seed,
+                "threads": c.pipeline.torch_threads, "model": c.model, "family": c.tasks}
+    defaults = {p.name: p.default for p in grpo.params}
+    assert {k: defaults[k] for k in expected} == expected
+
+
 def test_grpo_runs_resumes_and_reports(ckpt, home, tmp_path):
     out = invoke("learn", "grpo", "--model", ckpt, "--steps", 2, "--sync", *FAST)
     assert "started" in out and "step 2, version 3" in out

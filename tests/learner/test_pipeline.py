@@ -146,13 +146,6 @@ def test_a_time_limit_stops_the_run(ckpt, tmp_path):
     assert pipe.trainer.step_count <= 1 and stats.episodes_trained <= 2 * 4   # one step at most
 
 
-def test_rollouts_must_sample_the_full_distribution(ckpt, tmp_path):
-    cfg = config(ckpt, "sync")
-    cfg.rollout.top_p = 0.9
-    with pytest.raises(ValueError, match="top_p"):
-        pipeline.build(cfg, tmp_path / "run", SessionStore(tmp_path / "home"))
-
-
 def test_toy_reward_ignores_stop_tokens():
     assert pipeline.toy_reward([2, 4, 5, 7], stop_ids=[7]) == pytest.approx(2 / 3)
     assert pipeline.toy_reward([7], stop_ids=[7]) == 0.0
