@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from agent_runtime.context import (DEFAULT_SUMMARY_INSTRUCTION, SUMMARY_REQUEST, Context,
                                    ContextConfig)
+from agent_runtime import names
 from agent_runtime.names import ORIGIN_USER
 from agent_runtime.policy import Completion, Policy
 from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
@@ -90,7 +91,7 @@ class Callbacks:
 
 class AgentExit(Exception):
     """Leaving the loop; `status` is what the store records."""
-    status = "failed"
+    status = names.FAILED
 
     def __init__(self, message: str = ""):
         super().__init__(message)
@@ -98,15 +99,15 @@ class AgentExit(Exception):
 
 
 class Finished(AgentExit):
-    status = "finished"
+    status = names.FINISHED
 
 
 class BudgetExhausted(AgentExit):
-    status = "budget_exhausted"
+    status = names.BUDGET_EXHAUSTED
 
 
 class Cancelled(AgentExit):
-    status = "cancelled"
+    status = names.CANCELLED
 
 
 @dataclass
@@ -121,7 +122,7 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        return self.status == "finished"
+        return self.status == names.FINISHED
 
 
 class Agent:
@@ -178,27 +179,27 @@ class Agent:
         self.context = self._rebuild()
         self._close_interrupted_turn()
         if message:
-            self._append({"role": "user", "content": message, "kind": "user"})
+            self._append({"role": "user", "content": message, "kind": names.KIND_USER})
         return self._loop()
 
     # -- the loop ------------------------------------------------------------------------
 
     def _loop(self) -> RunResult:
         self.cancel_event.clear()
-        self.steps, status, summary, error = 0, "failed", None, None
+        self.steps, status, summary, error = 0, names.FAILED, None, None
         session_dir = self.store.session_dir(self.session_id)
         self.tool_context = ToolContext(workspace=self.workspace, sandbox=self.sandbox,
                                         session_dir=session_dir)
         if self.sandbox is not None and getattr(self.sandbox, "session_dir", "") is None:
             self.sandbox.session_dir = session_dir     # where it spills long command output
-        self.store.set_status(self.session_id, "running")
+        self.store.set_status(self.session_id, names.RUNNING)
         try:
             while True:
                 self.step()
         except AgentExit as exc:
             status, summary = exc.status, exc.message
         except KeyboardInterrupt:
-            status, summary = "cancelled", "interrupted by the user"
+            status, summary = names.CANCELLED, "interrupted by the user"
         except Exception as exc:                 # a failing policy, store or bug: record it
             summary, error = f"{type(exc).__name__}: {exc}", traceback.format_exc()
         finally:
@@ -235,11 +236,11 @@ class Agent:
             sample_id = self._add_sample(completion, message_id, self.context.segment)
         self.context.append(message)
         self._notify(message_id, message, sample_id, completion)
-        if completion.finish_reason == "cancelled":
+        if completion.finish_reason == names.FINISH_CANCELLED:
             raise Cancelled("cancelled by the user")
         if not calls:
-            cut = completion.finish_reason == "length"
-            self._append({"role": "user", "kind": "nudge", "content": (
+            cut = completion.finish_reason == names.FINISH_LENGTH
+            self._append({"role": "user", "kind": names.KIND_NUDGE, "content": (
                 "Your last message was cut off at the length limit. " if cut else "")
                 + self.config.nudge})
             return
@@ -252,13 +253,13 @@ class Agent:
         old = self.context.segment
         request, completion, summary = self.context.summarize(
             self.policy, should_stop=self.cancel_event.is_set)
-        if completion.finish_reason == "cancelled":
+        if completion.finish_reason == names.FINISH_CANCELLED:
             raise Cancelled("cancelled by the user")
         carried = self.context.restart(summary)
         with self.store.transaction():
             self._record(request[-1], segment=old)
             summary_id = self._record({"role": "assistant", "content": summary,
-                                       "kind": "summary"}, segment=old)
+                                       "kind": names.KIND_SUMMARY}, segment=old)
             self._add_sample(completion, summary_id, old)
             self.store.add_segment(self.session_id, self.context.segment, summary)
             for message in carried:
@@ -461,7 +462,7 @@ class Agent:
                     row_id = row["id"]
                 self._finish_call(call, row_id, ToolOutcome(text, False))
         if not turns[last].get("tool_calls") and last == len(turns) - 1:
-            self._append({"role": "user", "kind": "nudge", "content": self.config.nudge})
+            self._append({"role": "user", "kind": names.KIND_NUDGE, "content": self.config.nudge})
 
 
 def _mutating(group: list[ToolCall], tools: dict[str, Tool]) -> bool:

@@ -17,7 +17,9 @@ from typing import Any
 
 import click
 
-EXIT_CODES = {"finished": 0, "failed": 1, "budget_exhausted": 2, "cancelled": 130}
+from agent_runtime import names
+
+EXIT_CODES = {names.FINISHED: 0, names.FAILED: 1, names.BUDGET_EXHAUSTED: 2, names.CANCELLED: 130}
 RESULT_LINES = 12                              # lines of a tool result shown in the transcript
 
 
@@ -184,7 +186,7 @@ class Transcript:
             _emit({"event": "message", "id": message_id, "message": message})
         elif message["role"] == "assistant":
             click.echo(self.stream.feed("", end=True), nl=False)
-        elif message["role"] == "user" and message.get("kind") == "nudge":
+        elif message["role"] == "user" and message.get("kind") == names.KIND_NUDGE:
             click.secho("(no tool call: nudged to continue)", dim=True)
 
     def on_tool_start(self, call: Any) -> None:
@@ -292,7 +294,7 @@ def sessions_clean(days: float, dry_run: bool) -> None:
         removed, freed = 0, 0
         for copy in copies:
             used = store.sessions_in(copy.resolve())
-            if any(s["status"] == "running" and not s["interrupted"] for s in used):
+            if any(s["status"] == names.RUNNING and not s["interrupted"] for s in used):
                 click.echo(f"in use   {copy.name}")
                 continue
             if used and dt.datetime.fromisoformat(used[0]["created_at"]) > cutoff:

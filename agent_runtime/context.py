@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agent_runtime import names
 from agent_runtime.policy import Completion, Policy
 
-SUMMARY_REQUEST = "summary_request"            # `kind` of the message that asks for a summary
+SUMMARY_REQUEST = names.KIND_SUMMARY_REQUEST    # `kind` of the message that asks for a summary
 
 DEFAULT_SUMMARY_INSTRUCTION = """\
 Your context window is nearly full, so the conversation above will be replaced by your summary \
@@ -57,10 +58,10 @@ class Context:
     @property
     def head(self) -> list[dict]:
         head = [{"role": "system", "content": self.system},
-                {"role": "user", "content": self.task, "kind": "task"}]
+                {"role": "user", "content": self.task, "kind": names.KIND_TASK}]
         if self.summary is not None:
             head.append({"role": "user", "content": SUMMARY_PREFIX + self.summary,
-                         "kind": "summary"})
+                         "kind": names.KIND_SUMMARY})
         return head
 
     @property
@@ -110,7 +111,7 @@ class Context:
 
     def restart(self, summary: str) -> list[dict]:
         """Begin the next segment from the summary; returns the turns carried over verbatim."""
-        latest_user = [m for m in self.turns if m.get("role") == "user" and m.get("kind") == "user"]
+        latest_user = [m for m in self.turns if m.get("role") == "user" and m.get("kind") == names.KIND_USER]
         self.summary, self.segment = summary, self.segment + 1
         self.turns = [dict(latest_user[-1])] if latest_user else []
         self.fresh = True

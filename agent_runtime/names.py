@@ -1,12 +1,35 @@
-"""Names for the words the runtime and the learner pass around about learning from use.
+"""Names for the words the runtime, the learner and the front ends pass around.
 
-Feedback sources (the `feedback.source` column), session origins (the `sessions.origin`
-column) and the outcomes of a learning cycle are named here once and used by name everywhere.
+Message kinds (a message's `kind`), session statuses, finish reasons of a model call, feedback
+sources (the `feedback.source` column), session origins (the `sessions.origin` column) and the
+outcomes of a learning cycle are named here once and used by name everywhere.
 This module imports nothing of the project, so the store, the agent loop, the TUI and the
 learner can all import it.
 """
 
 from __future__ import annotations
+
+# -- message kinds: why a message is in the conversation (`kind`; none for model turns) -------
+KIND_TASK = "task"                         # the session's task, first user message
+KIND_USER = "user"                         # a later message the user wrote
+KIND_NUDGE = "nudge"                       # the loop's reminder after a turn without a tool call
+KIND_SUMMARY = "summary"                   # a segment's summary, opening the next segment
+KIND_SUMMARY_REQUEST = "summary_request"   # the loop asking the model for that summary
+
+# -- session statuses --------------------------------------------------------------------------
+RUNNING = "running"                        # in progress (or its process died: "interrupted")
+FINISHED = "finished"                      # the model called `finish`
+FAILED = "failed"                          # an error stopped it
+CANCELLED = "cancelled"                    # the user stopped it
+BUDGET_EXHAUSTED = "budget_exhausted"      # it ran out of model calls
+STATUSES = (RUNNING, FINISHED, FAILED, CANCELLED, BUDGET_EXHAUSTED)
+
+# -- finish reasons of one model call ---------------------------------------------------------
+FINISH_STOP = "stop"                       # a stop string ended it
+FINISH_EOS = "eos"                         # an end-of-turn token ended it
+FINISH_LENGTH = "length"                   # it hit max_new_tokens (or the window)
+FINISH_CANCELLED = "cancelled"             # the caller stopped it mid-way
+FINISH_REASONS = (FINISH_STOP, FINISH_EOS, FINISH_LENGTH, FINISH_CANCELLED)
 
 # -- feedback sources: who said it ------------------------------------------------------------
 EXPLICIT = "explicit"                      # the user's thumbs (command line, TUI)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
 from agent_runtime.policy import Completion
 
@@ -87,12 +88,12 @@ class ReplayPolicy:
             text = self.turns.pop(0)
         else:
             raise ReplayExhausted(f"{self.name}: the script has no assistant turn left")
-        finish_reason = "stop"
+        finish_reason = names.FINISH_STOP
         if should_stop is not None and should_stop():
-            text, finish_reason = "", "cancelled"
+            text, finish_reason = "", names.FINISH_CANCELLED
         ids = self.tokenizer.encode(text, special=True)
         if max_new_tokens is not None and len(ids) > max_new_tokens:
-            ids, finish_reason = ids[:max_new_tokens], "length"
+            ids, finish_reason = ids[:max_new_tokens], names.FINISH_LENGTH
             text = self.tokenizer.decode(ids)
         if on_text is not None:
             for line in text.splitlines(keepends=True):   # stream line by line, like a model would
@@ -103,6 +104,6 @@ class ReplayPolicy:
 
 
 def _generic_summary(messages: list[dict]) -> str:
-    task = next((m["content"] for m in messages if m.get("kind") == "task"), "(unknown)")
+    task = next((m["content"] for m in messages if m.get("kind") == names.KIND_TASK), "(unknown)")
     return (f"## Goal\n{task}\n## Done so far\n(replay script held no summary)\n"
             "## Key facts\n-\n## Next steps\nContinue with the task.")

@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from agent_runtime import names
 from agent_runtime.names import ORIGIN_ROLLOUT
 from learner.config import RolloutConfig, RunConfig
 from learner.grpo import Episode, Group, group_samples
@@ -91,7 +92,7 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
             store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,
                              c.version, c.finish_reason, c.temperature)
             reward = toy_reward(c.completion_ids, policy.stop_token_ids)
-            store.set_status(sid, "finished", summary=f"reward {reward:.3f}")
+            store.set_status(sid, names.FINISHED, summary=f"reward {reward:.3f}")
             episodes.append(Episode(sid, reward, passed=reward > 0.5))
     samples = [store.samples(e.session_id) for e in episodes]
     return Group(task.id, episodes, samples)

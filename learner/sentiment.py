@@ -116,7 +116,7 @@ def _turn_signals(store: Any, session: dict) -> list[dict]:
     """Cancelled run, declined calls, dissatisfied follow-ups, a green last test run."""
     out: list[dict] = []
     known = {(f["message_id"], f["source"]) for f in store.feedback(session["id"])}
-    if session["status"] == "cancelled":
+    if session["status"] == names.CANCELLED:
         out.append({"rating": -1, "source": names.RUN_CANCELLED})
     calls = store.tool_calls(session["id"])
     for c in calls:

@@ -24,16 +24,17 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Input, Static
 
+from agent_runtime import names
 from tui import runner
 from agent_runtime.approvals import MODES, ApprovalGate, ApprovalStore, Request, gated
 from tui.screens import ApprovalScreen, FeedbackScreen, HelpScreen, SessionsScreen
 from tui.widgets import AssistantMessage, ChatLog
 
 END_NOTES = {
-    "finished": ("✔ finished: {summary}", "ok"),
-    "cancelled": ("⊘ cancelled; the session is kept. Write to continue it.", "warn"),
-    "budget_exhausted": ("⏸ {summary}. Write to continue.", "warn"),
-    "failed": ("✘ the run failed: {summary}", "error"),
+    names.FINISHED: ("✔ finished: {summary}", "ok"),
+    names.CANCELLED: ("⊘ cancelled; the session is kept. Write to continue it.", "warn"),
+    names.BUDGET_EXHAUSTED: ("⏸ {summary}. Write to continue.", "warn"),
+    names.FAILED: ("✘ the run failed: {summary}", "error"),
 }
 
 
@@ -309,7 +310,7 @@ class ApprenticeApp(App):
             self.session_id = self.agent.session_id
         if message["role"] == "assistant":
             self.chat.assistant(message_id, message.get("content") or "")
-        elif message["role"] == "user" and message.get("kind") == "nudge":
+        elif message["role"] == "user" and message.get("kind") == names.KIND_NUDGE:
             self.chat.note("(no tool call: nudged to continue)", "dim")
 
     def agent_sample(self, completion: Any) -> None:

@@ -23,6 +23,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Collapsible, Static
 
+from agent_runtime import names
 from agent_runtime.toolcalls import visible_text
 
 RESULT_LINES = 40                              # lines of a tool result shown in a panel
@@ -389,12 +390,12 @@ class ChatLog(VerticalScroll):
             if m["segment"] != segment:
                 segment, answered = m["segment"], False
                 self.summary(segment, summaries.get(segment) or "")
-            if m["role"] == "user" and kind in ("task", "user", None):
+            if m["role"] == "user" and kind in (names.KIND_TASK, names.KIND_USER, None):
                 if answered or segment == 0:   # not the message a summary carried over
                     self.add_user(m["content"])
-            elif m["role"] == "user" and kind == "nudge":
+            elif m["role"] == "user" and kind == names.KIND_NUDGE:
                 self.note("(no tool call: nudged to continue)", "dim")
-            elif m["role"] == "assistant" and kind != "summary":
+            elif m["role"] == "assistant" and kind != names.KIND_SUMMARY:
                 answered = True
                 message = self.assistant(m["id"], m["content"])
                 for entry in m.get("tool_calls") or []:

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from agent_runtime import names
 from agent_runtime.model.fast_decode import stepper
 from agent_runtime.model.model import KVCache, MoEModel
 from agent_runtime.model.prefix_cache import Prefix, PrefixCache, common_prefix
@@ -137,12 +138,12 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     fast = stepper(model)                             # the same step in C++, when it can
     for step in range(p.max_new_tokens):
         if should_stop is not None and should_stop():
-            reasons = [r or "cancelled" for r in reasons]
+            reasons = [r or names.FINISH_CANCELLED for r in reasons]
             break
         if row_should_stop is not None:
             for b, stop in enumerate(row_should_stop):
                 if reasons[b] is None and stop is not None and stop():
-                    reasons[b] = "cancelled"
+                    reasons[b] = names.FINISH_CANCELLED
             if all(r is not None for r in reasons):
                 break
         tok, lp = sample(out.logits[:, -1], p, gen)
@@ -155,12 +156,12 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             if on_token is not None:
                 on_token(b, tok_l[b], lp_l[b])
             if tok_l[b] in stop_ids:
-                reasons[b] = "eos"
+                reasons[b] = names.FINISH_EOS
             elif p.stop:
                 text = decode(tokens[b])
                 found = [text.find(s) for s in p.stop if s and s in text]
                 if found:
-                    reasons[b], texts[b] = "stop", text[:min(found)]
+                    reasons[b], texts[b] = names.FINISH_STOP, text[:min(found)]
         if all(r is not None for r in reasons) or step == p.max_new_tokens - 1:
             break
         out = fast(tok, cache) if fast is not None else model(tok[:, None].to(dev), cache=cache)
@@ -179,7 +180,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
         if text is None and decode is not None:
             text = decode(tokens[b])
         results.append(Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
-                                  finish_reason=reasons[b] or "length", text=text, prompt_len=lens[b]))
+                                  finish_reason=reasons[b] or names.FINISH_LENGTH, text=text, prompt_len=lens[b]))
     return results
 
 

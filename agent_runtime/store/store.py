@@ -31,11 +31,13 @@ from typing import Any, Iterator
 
 import sqlite_utils
 
+from agent_runtime import names
+
 from agent_runtime.names import EXPLICIT, ORIGIN_USER, ORIGINS
 from agent_runtime.store import blobs
 from agent_runtime.store.migrations import FEEDBACK_REASONS, migrate
 
-STATUSES = ("running", "finished", "failed", "cancelled", "budget_exhausted")
+STATUSES = names.STATUSES
 BUSY_TIMEOUT_S = 30.0
 
 
@@ -377,7 +379,7 @@ class SessionStore:
         row["meta"] = _loads(row["meta"])
         row["learn"] = bool(row["learn"])
         # "running" in the table but its process is gone (killed, crashed): `resume` continues it
-        row["interrupted"] = row["status"] == "running" and not _pid_alive(row.get("pid"))
+        row["interrupted"] = row["status"] == names.RUNNING and not _pid_alive(row.get("pid"))
         return row
 
     def get_session(self, session_id_or_prefix: str) -> dict:

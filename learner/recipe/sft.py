@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
 from learner.recipe.lm import LMConfig, train_lm
 from learner.tasks.oracle import OraclePolicy
@@ -82,9 +83,9 @@ def summarize(messages: list[dict], plan: list[str]) -> str:
     its next edits will replace (it knows its plan), and the next step."""
     from agent_runtime.context import SUMMARY_PREFIX
     from agent_runtime.toolcalls import parse_tool_calls
-    task = next((m["content"] for m in messages if m.get("kind") == "task"), "")
+    task = next((m["content"] for m in messages if m.get("kind") == names.KIND_TASK), "")
     earlier = next((m["content"][len(SUMMARY_PREFIX):] for m in messages
-                    if m.get("kind") == "summary"), "")
+                    if m.get("kind") == names.KIND_SUMMARY), "")
     done = []
     results = {m.get("tool_call_id"): m.get("content") or "" for m in messages if m["role"] == "tool"}
     for m in messages:
@@ -157,7 +158,7 @@ def merge_samples(samples: list[dict], eos: int) -> tuple[list[tuple[list[int], 
     merged = 0
     for s in samples:
         prompt, completion = list(s["prompt_ids"]), list(s["completion_ids"])
-        if s["finish_reason"] in ("stop", "eos") and (not completion or completion[-1] != eos):
+        if s["finish_reason"] in (names.FINISH_STOP, names.FINISH_EOS) and (not completion or completion[-1] != eos):
             completion.append(eos)
         if seqs and len(prompt) >= len(seqs[-1][0]) and prompt[:len(seqs[-1][0])] == seqs[-1][0]:
             ids, mask = seqs[-1]

@@ -13,11 +13,12 @@ from typing import Any
 
 from acp import helpers
 
+from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
 from agent_runtime.toolcalls import visible_text
 from plugins.acp.session import result_content, tool_kind, tool_title
 
-HIDDEN_KINDS = {"nudge", "summary", SUMMARY_REQUEST}
+HIDDEN_KINDS = {names.KIND_NUDGE, names.KIND_SUMMARY, SUMMARY_REQUEST}
 
 
 def history_updates(store: Any, session_id: str) -> list[Any]:

@@ -31,14 +31,15 @@ from acp.schema import (AgentCapabilities, AvailableCommand, AvailableCommandInp
                         NewSessionResponse, PromptCapabilities, PromptResponse, SessionMode,
                         SessionModeState, SetSessionModeResponse, UnstructuredCommandInput)
 
+from agent_runtime import names
 from agent_runtime.approvals import MODES
 from agent_runtime.hooks import plugin_tools
 from plugins.acp.history import replay_history
 from plugins.acp.session import AcpSession
 
 log = logging.getLogger(__name__)
-STOP_REASONS = {"finished": "end_turn", "cancelled": "cancelled",
-                "budget_exhausted": "max_turn_requests"}
+STOP_REASONS = {names.FINISHED: "end_turn", names.CANCELLED: "cancelled",
+                names.BUDGET_EXHAUSTED: "max_turn_requests"}
 MODE_TEXT = {"ask": ("Ask", "Ask before every command, file change and external tool"),
              "auto-edit": ("Auto-edit", "File changes run at once; commands and external "
                                         "tools ask"),
@@ -157,11 +158,11 @@ class ApprenticeAgent:
             result = await asyncio.to_thread(session.run, text)
         finally:
             session.running.release()
-        if result.status == "finished" and result.summary:
+        if result.status == names.FINISHED and result.summary:
             await self._say(session, result.summary)
-        elif result.status == "failed":
+        elif result.status == names.FAILED:
             await self._say(session, f"The run failed: {result.summary}")
-        elif result.status == "budget_exhausted":
+        elif result.status == names.BUDGET_EXHAUSTED:
             await self._say(session, f"Stopped: {result.summary}. Send another prompt to go on.")
         return PromptResponse(stop_reason=STOP_REASONS.get(result.status, "end_turn"))
 

@@ -7,6 +7,7 @@ are re-drawn with a large spread so routing and logits are far from uniform.
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -48,16 +49,19 @@ def hf_config(family: str, **over):
 
 
 def make_hf_model(family: str, seed: int = 0, std: float = 0.15, **over):
+    """Each parameter is drawn from its own generator, seeded by `seed` and the parameter's
+    name: the weights do not depend on the order `transformers` creates modules in."""
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family, **over)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)          # U(0.5, 1.5)
             else:
-                p.normal_(0.0, std)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     return model
 
 
@@ -68,6 +72,48 @@ def save_hf_checkpoint(family: str, path: Path, seed: int = 0, **over) -> Path:
 
 
 CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# The tiny tokenizers' training text, fixed: editing any other file (this one included) must
+# not reshuffle the ids every tiny checkpoint uses.
+TOKENIZER_CORPUS = """<|im_start|>system
+You are a coding agent. You work in a repository through the tools below.
+# Tools
+<tools>
+{"type": "function", "function": {"name": "read_file", "description": "Read a file.",
+ "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+{"type": "function", "function": {"name": "run_command", "parameters": {"command": "python -m pytest -q"}}}
+</tools>
+<|im_end|>
+<|im_start|>user
+Fix calc.py so that add() adds. List the files. Say hello. Run the tests.<|im_end|>
+<|im_start|>assistant
+Let me look at the code first.
+<tool_call>
+{"name": "read_file", "arguments": {"path": "calc.py"}}
+</tool_call><|im_end|>
+<|im_start|>user
+<tool_response>
+def add(a, b):
+    return a - b
+
+
+def multiply(a, b):
+    return a * b
+</tool_response><|im_end|>
+<|im_start|>assistant
+<tool_call>
+{"name": "edit_file", "arguments": {"path": "calc.py", "old": "return a - b", "new": "return a + b"}}
+</tool_call>
+<tool_call>
+{"name": "finish", "arguments": {"summary": "Fixed add in calc.py; the tests pass."}}
+</tool_call><|im_end|>
+Tiny random Hugging Face MoE checkpoints, made offline with transformers (test-only). Every
+family gets the switches that make it different turned on (shared expert, dense layers, q/k
+norms, clip_qkv, tied embeddings, granite multipliers, non-default rope theta), and weights are
+re-drawn with a large spread so routing and logits are far from uniform. for name, p in
+model.named_parameters(): if "norm" in name: p.uniform_(0.5, 1.5) else: p.normal_(0.0, std)
+import json, os, sys; from pathlib import Path; def main() -> None: print([1, 2, 3]) 0123456789
+"""
 
 
 def save_tiny_agent_checkpoint(path: Path, family: str = "qwen2_moe", vocab: int = 640) -> Path:
@@ -83,8 +129,7 @@ def save_tiny_agent_checkpoint(path: Path, family: str = "qwen2_moe", vocab: int
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [Path(__file__).read_text(), DEFAULT_CHAT_TEMPLATE,
-              '<tool_call>\n{"name": "read_file", "arguments": {"path": "calc.py"}}\n</tool_call>'] * 4
+    corpus = [TOKENIZER_CORPUS] * 4
     trainer = trainers.BpeTrainer(vocab_size=vocab - len(CHATML), special_tokens=CHATML,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
