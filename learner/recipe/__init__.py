@@ -47,19 +47,19 @@ def default_recipe() -> RecipeConfig:
     return RecipeConfig(
         pretrain=PretrainConfig(
             shape=DEFAULT_SHAPE,
-            train=LMConfig(steps=20000, lr=2e-3, warmup=30, max_seconds=2400, fit_to_time=True,
+            train=LMConfig(steps=20000, lr=2e-3, warmup=30, max_seconds=1800, fit_to_time=True,
                            checkpoint_every=50, log_every=10),
             corpus_bytes=8_000_000, task_repos=6000, seq_len=1024, batch_size=16,
             repeat_share=0.2, copy_share=0.4, eval_windows=16, eval_every=100),
         sft=SFTConfig(
-            train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=2700,
+            train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=2100,
                            fit_to_time=True, checkpoint_every=100, log_every=20,
                            head_on_mask=True),
             tasks=2000, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
             copy_share=0.2),
         grpo=GRPOStageConfig(steps=200, group_size=8, groups_per_step=2, lr=1e-5,
                              max_new_tokens=320, max_steps=12, workers=1, max_seconds=900),
-        eval=EvalConfig(n=200, processes=2, summary_window=2048))
+        eval=EvalConfig(n=200, processes=2, summary_window=2048, max_seconds=600))
 
 
 def toy_recipe() -> RecipeConfig:
