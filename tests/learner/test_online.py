@@ -49,6 +49,15 @@ def test_an_accepted_cycle_publishes_the_next_version(store, ckpt, policy):
     assert online.run_cycle().version == 2 and online.versions.latest().version == 2
 
 
+@pytest.mark.parametrize("rating", [1, -1])
+def test_a_rated_completion_alone_moves_its_way(store, ckpt, policy, rating):
+    store.add_feedback(rating, session_id=record_session(store, policy, "fix it", VALID))
+    online = learner(store, ckpt)
+    online.config.trainer.optim.lr = 1e-4      # one small step (above bf16 rounding): first order
+    shift = online.run_cycle().logprob_shift
+    assert shift["liked" if rating > 0 else "disliked"] * rating > 0
+
+
 def test_samples_of_versions_beyond_the_staleness_limit_are_dropped(store, ckpt, policy):
     store.add_feedback(1, session_id=record_session(store, policy, "new", VALID, version=1))
     online = learner(store, ckpt, max_staleness=0)

@@ -57,10 +57,14 @@ def test_thumbs_to_a_published_version_that_a_following_runtime_swaps_to(
         assert set(out) == {"samples", "liked", "disliked", "version", "gate", "logprob_shift"}
         assert (out["samples"], out["liked"], out["disliked"]) == (2, 1, 1)
         assert out["gate"]["passed"] and out["version"] == 2
-        assert out["logprob_shift"]["liked"] > 0 > out["logprob_shift"]["disliked"]
+        # one update on both moves the liked completion up relative to the disliked one (each
+        # alone is moved its own way: test_online); both can fall when they share tokens
+        shift = out["logprob_shift"]
+        assert shift["liked"] > shift["disliked"]
         wait_for(lambda: subscriber.staged == 2 or runtime.version == 2, timeout=60.0, interval=0.02)
         completion = following.complete([{"role": "user", "content": "hi"}])
         assert completion.version == 2 and runtime.version == 2
     finally:
         subscriber.stop()
         server.stop()
+

@@ -22,13 +22,22 @@ def test_tui_command_has_help_and_the_run_options():
         assert option in out
 
 
-def test_tui_passes_the_options_to_the_app(launched, workspace):
-    result = CliRunner().invoke(main, ["tui", "-w", str(workspace), "--policy", "replay:x.json",
+def test_tui_passes_the_options_to_the_app(launched, workspace, tmp_path):
+    script = tmp_path / "x.json"
+    script.write_text("[]")
+    spec = f"replay:{script}"
+    result = CliRunner().invoke(main, ["tui", "-w", str(workspace), "--policy", spec,
                                        "--max-steps", "3", "--approval", "auto-edit"])
     assert result.exit_code == 0, result.output
     (settings,) = launched
     assert (settings.workspace, settings.spec, settings.max_steps, settings.approval) == \
-        (workspace.resolve(), "replay:x.json", 3, "auto-edit")
+        (workspace.resolve(), spec, 3, "auto-edit")
+
+
+def test_tui_refuses_a_replay_script_that_does_not_exist(launched, workspace, tmp_path):
+    result = CliRunner().invoke(main, ["tui", "-w", str(workspace), "--policy",
+                                       f"replay:{tmp_path / 'missing.json'}"])
+    assert result.exit_code == 1 and "does not exist" in result.output and not launched
 
 
 def test_bare_apprentice_opens_the_tui_on_the_current_directory(launched, workspace,
