@@ -49,16 +49,18 @@ def record_session(store, policy, task: str, text: str, workspace: str = "ws",
     return sid
 
 
-def teach(ckpt, policy, prompts: list[list[dict]], text: str, steps: int = 60,
+def teach(ckpt, policy, prompts: list[list[dict]], text: str | list[str], steps: int = 60,
           lr: float = 3e-3) -> None:
     """Fine-tune the checkpoint at `ckpt` in place (cross-entropy on the completion) until it
-    answers each of `prompts` with `text`: a base model that already makes tool calls."""
+    answers each of `prompts` with `text` (or with its own of a list of texts): a base model
+    that already makes tool calls."""
     from agent_runtime.model import load_model
     from agent_runtime.model.checkpoint import save_model
     torch.manual_seed(0)
     model = load_model(ckpt, dtype=torch.float32).train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    rows = [scored(policy, m, text) for m in prompts]
+    texts = [text] * len(prompts) if isinstance(text, str) else text
+    rows = [scored(policy, m, t) for m, t in zip(prompts, texts, strict=True)]
     for _ in range(steps):
         opt.zero_grad()
         for r in rows:

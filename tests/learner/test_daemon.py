@@ -58,7 +58,8 @@ def test_a_rating_wakes_the_daemon_and_its_version_is_served(daemon, home):
     sid, url = daemon
     assert CliRunner().invoke(main, ["feedback", sid, "up"]).exit_code == 0
     wait_for(lambda: latest(url) == 2)
-    assert "cycle 1: published v2" in (home / "learner" / "daemon.log").read_text()
+    # the daemon logs the cycle after the version store announces it: wait for the line too
+    wait_for(lambda: "cycle 1: published v2" in (home / "learner" / "daemon.log").read_text())
 
 
 def test_learn_status_says_on_while_it_runs(daemon):

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_support import wait_for  # noqa: E402
+from online_support import SYSTEM, VALID, teach, wait_for  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.cli import main  # noqa: E402
@@ -21,9 +21,23 @@ from agent_runtime.subscriber import follow  # noqa: E402
 from learner.server import ServerConfig, VersionServer  # noqa: E402
 
 
+LIKED_TASK, DISLIKED_TASK = "Fix add in calc.py", "Rename the module to maths"
+# the disliked behaviour: list the workspace instead of reading the file named in the task
+LISTING = VALID.replace('"read_file", "arguments": {"path": "calc.py"}',
+                        '"list_files", "arguments": {}')
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    """A tiny checkpoint taught two behaviours, one per task, so that the liked and the disliked
+    sessions are different completions (a random model's are two draws of the same noise)."""
+    import torch
+    torch.set_num_threads(1)
+    path = save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    prompts = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+               for task in (LIKED_TASK, DISLIKED_TASK)]
+    teach(path, load_policy(str(path), dtype="bfloat16"), prompts, [VALID, LISTING], steps=90)
+    return path
 
 
 def invoke(*args, code=0):
@@ -32,8 +46,11 @@ def invoke(*args, code=0):
     return result.output
 
 
-def session_of(output: str) -> str:
-    return json.loads(output.strip().splitlines()[-1])["session_id"]
+def session_of(output: str, tool: str) -> str:
+    """The session id of a `run --json` transcript whose one step called `tool`."""
+    events = [json.loads(line) for line in output.strip().splitlines()]
+    assert [e["name"] for e in events if e["event"] == "tool_start"] == [tool]
+    return events[-1]["session_id"]
 
 
 def test_thumbs_to_a_published_version_that_a_following_runtime_swaps_to(
@@ -41,10 +58,10 @@ def test_thumbs_to_a_published_version_that_a_following_runtime_swaps_to(
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    liked = session_of(invoke("run", "Fix add in calc.py", "-w", ws, "--model", ckpt,
-                              "--max-steps", 1, "--json", code=2))
-    disliked = session_of(invoke("run", "Rename the module to maths", "-w", ws, "--model",
-                                 ckpt, "--max-steps", 1, "--json", code=2))
+    liked = session_of(invoke("run", LIKED_TASK, "-w", ws, "--model", ckpt,
+                              "--max-steps", 1, "--json", code=2), "read_file")
+    disliked = session_of(invoke("run", DISLIKED_TASK, "-w", ws, "--model",
+                                 ckpt, "--max-steps", 1, "--json", code=2), "list_files")
     invoke("feedback", liked, "up")
     invoke("feedback", disliked, "down", "--reason", "wrong_change")
 
@@ -57,10 +74,7 @@ def test_thumbs_to_a_published_version_that_a_following_runtime_swaps_to(
         assert set(out) == {"samples", "liked", "disliked", "version", "gate", "logprob_shift"}
         assert (out["samples"], out["liked"], out["disliked"]) == (2, 1, 1)
         assert out["gate"]["passed"] and out["version"] == 2
-        # one update on both moves the liked completion up relative to the disliked one (each
-        # alone is moved its own way: test_online); both can fall when they share tokens
-        shift = out["logprob_shift"]
-        assert shift["liked"] > shift["disliked"]
+        assert out["logprob_shift"]["liked"] > 0 > out["logprob_shift"]["disliked"]
         wait_for(lambda: subscriber.staged == 2 or runtime.version == 2, timeout=60.0, interval=0.02)
         completion = following.complete([{"role": "user", "content": "hi"}])
         assert completion.version == 2 and runtime.version == 2
