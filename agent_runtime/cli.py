@@ -433,8 +433,11 @@ def feedback(session_id: str, rating: str, message_id: int | None, reason: str |
                                      message_id=message_id, reason=reason, comment=comment)
         except ValueError as exc:
             raise click.ClickException(str(exc))
+        replaced = [f for f in store.feedback(sid) if f["replaced_by"] == row]
+    was = "".join(f" (replaces #{f['id']}: {'up' if f['rating'] > 0 else 'down'})"
+                  for f in replaced)
     click.echo(f"recorded feedback {row}: {rating} on "
-               f"{'message #' + str(message_id) if message_id else 'session'} {sid[:12]}")
+               f"{'message #' + str(message_id) if message_id else 'session'} {sid[:12]}{was}")
 
 
 def _load_plugins() -> None:

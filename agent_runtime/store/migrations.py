@@ -223,6 +223,27 @@ def m004_sample_temperature(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE samples ADD COLUMN temperature REAL CHECK (temperature >= 0)")
 
 
+@migration
+def m005_rating_replaces(db: sqlite_utils.Database) -> None:
+    """A user's new rating of the same session or message replaces the earlier one (a thumbs
+    toggle): the earlier row stays, as history, with `replaced_by` set, and no longer covers
+    anything. Implicit signals are never replaced."""
+    for sql in [
+        "ALTER TABLE feedback ADD COLUMN replaced_by INTEGER REFERENCES feedback (id)",
+        "DROP VIEW feedback_targets",
+        """CREATE VIEW feedback_targets AS
+            SELECT f.id AS feedback_id, f.session_id, f.rating, f.reason, f.source,
+                   f.created_at, f.message_id,
+                   CASE WHEN f.message_id IS NULL THEN NULL ELSE COALESCE(
+                       (SELECT a.id FROM messages a JOIN messages m ON m.id = f.message_id
+                        WHERE a.session_id = m.session_id AND a.role = 'assistant'
+                          AND a.idx <= m.idx ORDER BY a.idx DESC LIMIT 1), -1)
+                   END AS target_message_id
+            FROM feedback f WHERE f.replaced_by IS NULL""",
+    ]:
+        db.execute(sql)
+
+
 def _applied(db: sqlite_utils.Database) -> set[str]:
     if not db["_migrations"].exists():
         return set()

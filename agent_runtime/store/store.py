@@ -291,7 +291,9 @@ class SessionStore:
     def add_feedback(self, rating: int, *, session_id: str, message_id: int | None = None,
                      reason: str | None = None, source: str = EXPLICIT,
                      comment: str | None = None) -> int:
-        """Rate a session or one of its messages (+1/-1); returns the feedback row id."""
+        """Rate a session or one of its messages (+1/-1); returns the feedback row id. A
+        user's (`EXPLICIT`) rating replaces their earlier one of the same session or message:
+        the earlier row is kept with `replaced_by` set and no longer counts."""
         if isinstance(rating, bool) or rating not in (1, -1):
             raise ValueError(f"rating must be +1 or -1, got {rating!r}")
         if reason is not None and reason not in FEEDBACK_REASONS:
@@ -304,10 +306,16 @@ class SessionStore:
             session_id = self._resolve(session_id)
             if message_id is not None:
                 self._require_message(session_id, message_id)
-            return self._insert(
+            row = self._insert(
                 "INSERT INTO feedback (session_id, message_id, rating, reason, source, comment, "
                 "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [session_id, message_id, int(rating), reason, source, comment, _now()])
+            if source == EXPLICIT:
+                self.db.execute(
+                    "UPDATE feedback SET replaced_by = ? WHERE session_id = ? AND message_id IS ? "
+                    "AND source = ? AND id != ? AND replaced_by IS NULL",
+                    [row, session_id, message_id, EXPLICIT, row])
+            return row
 
     def set_status(self, session_id: str, status: str, summary: str | None = None) -> None:
         """Set a session's status (and summary, when given)."""

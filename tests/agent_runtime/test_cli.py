@@ -144,6 +144,15 @@ def test_unknown_session_and_bad_reason_are_clean_errors(home, workspace):
     assert invoke("feedback", sid, "up", "--message", 999999).exit_code == 1
 
 
+def test_rating_again_replaces_the_earlier_rating_and_says_so(home, workspace):
+    invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}")
+    sid = latest_session(home)["id"]
+    first = invoke("feedback", sid, "up").output
+    assert "replaces" not in first
+    second = invoke("feedback", sid, "down").output
+    assert f"(replaces #{first.split()[2].rstrip(':')}: up)" in second
+
+
 def test_sessions_resume_continues_and_finishes(home, workspace, tmp_path):
     script = tmp_path / "two.json"
     script.write_text(json.dumps([call("list_files")] * 2))

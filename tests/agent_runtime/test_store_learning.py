@@ -99,3 +99,18 @@ def test_a_store_opened_twice_applies_m003_once(tmp_path):
     with SessionStore(tmp_path) as s:
         assert s.db.execute("SELECT COUNT(*) FROM _migrations WHERE name = "
                             "'m003_learning_from_use'").fetchone()[0] == 1
+
+
+def test_a_second_rating_of_the_same_target_replaces_the_first(store):
+    sid = store.create_session("t", "ws", "m")
+    mid = store.add_message(sid, 0, "assistant", "done")
+    up = store.add_feedback(1, session_id=sid)
+    on_message = store.add_feedback(1, session_id=sid, message_id=mid)
+    signal = store.add_feedback(-1, session_id=sid, source="reverted")
+    down = store.add_feedback(-1, session_id=sid, reason="wrong_change")
+    rows = {f["id"]: f for f in store.feedback(sid)}
+    assert rows[up]["replaced_by"] == down                      # the history stays
+    assert rows[on_message]["replaced_by"] is None             # another target
+    assert rows[signal]["replaced_by"] is None                 # signals are not the user's toggle
+    counted = store.db.execute("SELECT feedback_id FROM feedback_targets ORDER BY feedback_id")
+    assert [r[0] for r in counted] == [on_message, signal, down]
