@@ -11,6 +11,10 @@ Modes, as in the coding agents people know:
 - `full-auto`: nothing asks.
 External tools are those that set `needs_approval = True` (MCP servers' tools): their effects
 are unknown, so they are treated like commands.
+Without a sandbox (bubblewrap missing or failing under the default `APPRENTICE_SANDBOX=auto`)
+commands run with the user's own permissions, so they ask in every mode, `full-auto`
+included, as Codex does when it cannot sandbox; "always allow" rules for an exact command
+still hold. Setting `APPRENTICE_SANDBOX=off` is the explicit opt-out: then the mode decides.
 "Always allow" answers persist per workspace in `$APPRENTICE_HOME/approvals.json`:
 edits as a whole, commands by their exact command line, external tools by name.
 
@@ -46,6 +50,7 @@ class Request:
     arguments: dict[str, Any]                  # the call's arguments, as the model wrote them
     rule: str                                  # what "always allow" remembers: "edits",
                                                # "command:<line>" or "tool:<name>"
+    unconfined: bool = False                   # a command that would run without a sandbox
 
     @property
     def always_label(self) -> str:
@@ -109,18 +114,19 @@ class ApprovalGate:
         self.allowed = store.rules(self.workspace)
         self.cancel_event = threading.Event()  # set by the agent's cancel: stop waiting
 
-    def request_for(self, name: str, arguments: dict[str, Any],
-                    tool: Tool | None = None) -> Request | None:
-        """The request to put to the user, or None when the call may run as it is."""
+    def request_for(self, name: str, arguments: dict[str, Any], tool: Tool | None = None,
+                    unconfined: bool = False) -> Request | None:
+        """The request to put to the user, or None when the call may run as it is;
+        `unconfined`: commands would run without a sandbox (they ask in every mode)."""
         if name in EDIT_TOOLS:
             if self.mode in ("auto-edit", "full-auto") or "edits" in self.allowed:
                 return None
             return Request(name, arguments, "edits")
         if name in COMMAND_TOOLS:
             rule = f"command:{arguments.get('command', '')}"
-            if self.mode == "full-auto" or rule in self.allowed:
+            if (self.mode == "full-auto" and not unconfined) or rule in self.allowed:
                 return None
-            return Request(name, arguments, rule)
+            return Request(name, arguments, rule, unconfined)
         if needs_approval(tool):
             rule = f"tool:{name}"
             if self.mode == "full-auto" or rule in self.allowed:
@@ -128,9 +134,10 @@ class ApprovalGate:
             return Request(name, arguments, rule)
         return None
 
-    def check(self, name: str, arguments: dict[str, Any], tool: Tool | None = None) -> None:
+    def check(self, name: str, arguments: dict[str, Any], tool: Tool | None = None,
+              unconfined: bool = False) -> None:
         """Return when the call may run; raise `ToolError` when the user said no."""
-        request = self.request_for(name, arguments, tool)
+        request = self.request_for(name, arguments, tool, unconfined)
         if request is None:
             return
         if self.cancel_event.is_set():
@@ -167,8 +174,15 @@ class GatedTool:
         self.parameters, self.mutates = tool.parameters, tool.mutates
 
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
-        self.gate.check(self.name, args, self.tool)
+        self.gate.check(self.name, args, self.tool, runs_unconfined(ctx))
         return self.tool(args, ctx)
+
+
+def runs_unconfined(ctx: ToolContext) -> bool:
+    """Whether commands of this context would run without a sandbox that the user did not
+    switch off themselves (`APPRENTICE_SANDBOX=auto` and bubblewrap unavailable)."""
+    sandbox = ctx.sandbox
+    return sandbox is not None and sandbox.config.mode == "auto" and not sandbox.probe()
 
 
 def needs_approval(tool: Tool | None) -> bool:

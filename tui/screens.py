@@ -47,6 +47,10 @@ class ApprovalScreen(ModalScreen[str]):
         what = "run this command" if self.request.tool == "run_command" else "change this file"
         with Vertical(id="approval", classes="dialog"):
             yield Static(f"Allow apprentice to {what}?", classes="dialog-title")
+            if self.request.unconfined:
+                yield Static("No sandbox: this command runs with your permissions "
+                             "(APPRENTICE_SANDBOX=off stops these questions in full-auto).",
+                             classes="note -warn")
             with VerticalScroll(classes="approval-preview"):
                 yield Static(preview(self.request.tool, self.request.arguments, self.workspace))
             with Horizontal(classes="buttons"):

@@ -25,7 +25,7 @@ from acp.schema import PermissionOption, ToolCallLocation, ToolCallUpdate
 
 from agent_runtime.agent import Agent, AgentConfig, Callbacks, RunResult
 from agent_runtime.approvals import (ALWAYS, COMMAND_TOOLS, EDIT_TOOLS, NO, REJECTED_SOURCE,
-                                     YES, ApprovalGate, ApprovalStore, Request)
+                                     YES, ApprovalGate, ApprovalStore, Request, runs_unconfined)
 from agent_runtime.learning import session_learns
 from agent_runtime.toolcalls import visible_text
 from agent_runtime.tools.base import ToolContext, ToolError, ToolResult
@@ -119,7 +119,7 @@ class EditorTool:
         session = self.session
         call_id = session.call_ids.get(id(args), "")
         try:
-            session.gate.check(self.name, args, self.tool)
+            session.gate.check(self.name, args, self.tool, runs_unconfined(ctx))
         except ToolError:
             if session.answers.pop(call_id, None) == NO:
                 session.record_rejection(self.name, args)
@@ -205,7 +205,10 @@ class AcpSession:
                 return []
             return [helpers.tool_diff_content(str(path), new, old)]
         if request.tool in COMMAND_TOOLS:
-            return [helpers.tool_content(helpers.text_block(f"```\n{args.get('command', '')}\n```"))]
+            note = ("\n\nNo sandbox: this command runs with your permissions."
+                    if request.unconfined else "")
+            return [helpers.tool_content(helpers.text_block(
+                f"```\n{args.get('command', '')}\n```{note}"))]
         return []
 
     def _locations(self, name: str | None, args: dict | None) -> list[ToolCallLocation] | None:

@@ -150,3 +150,20 @@ def test_an_answer_that_comes_with_a_cancel_is_a_cancellation(tmp_path):
                         ask=lambda r, reply: (gate.cancel_event.set(), reply(None)))
     with pytest.raises(ToolError, match="cancelled"):
         gate.check(*RUN)
+
+
+@pytest.mark.parametrize("sandbox_mode,asks", [("auto", True), ("off", False)])
+def test_without_a_sandbox_commands_ask_even_in_full_auto(home, workspace, sandbox_mode, asks):
+    """bubblewrap missing (a name that is not on PATH): under `auto` commands would run with
+    the user's permissions and ask in every mode; `off` is the user's own opt-out."""
+    from agent_runtime.sandbox import Sandbox, SandboxConfig
+    from agent_runtime.tools.registry import default_tools
+    sandbox = Sandbox(workspace, SandboxConfig(mode=sandbox_mode, bwrap="no-such-bwrap"))
+    gate, asked = gate_answering(home, workspace, YES, mode="full-auto")
+    tools = {t.name: t for t in gated(default_tools(), gate)}
+    ctx = ToolContext(workspace=workspace, sandbox=sandbox)
+    result = tools["run_command"]({"command": "echo hi"}, ctx)
+    tools["edit_file"]({"path": "calc.py", "old": "a - b", "new": "a + b"}, ctx)
+    assert "hi" in result.text and not sandbox.sandboxed
+    assert [(r.tool, r.unconfined) for r in asked] == ([("run_command", True)] if asks else [])
+    sandbox.close()

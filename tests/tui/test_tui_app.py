@@ -196,6 +196,22 @@ async def test_a_short_command_is_shown_once(workspace):
         assert "python3 test_calc.py" in run.title and not run.args_view.display
 
 
+async def test_without_bubblewrap_a_command_asks_even_in_full_auto(workspace, monkeypatch):
+    import shutil
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap"
+                        else which(name, *a, **k))
+    app = make_app(workspace, [TEST, FINISH], approval="full-auto")
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "run the tests")
+        await wait_for(pilot, lambda: isinstance(app.screen, ApprovalScreen), what="approval")
+        shown = " ".join(plain(w) for w in app.screen.query("Static"))
+        assert "No sandbox: this command runs with your permissions" in shown
+        await pilot.press("y")
+        await until_idle(pilot)
+        assert panel(app, "run_command").status == "ok"
+
+
 async def test_session_thumbs_up_key_rates_the_whole_session(workspace):
     app = make_app(workspace, [FINISH])
     async with app.run_test(size=SIZE) as pilot:
