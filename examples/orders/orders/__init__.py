@@ -1,0 +1,1 @@
+"""orders: small helpers for a bakery's daily orders."""
