@@ -11,7 +11,7 @@ import importlib
 __all__ = ["load_policy", "Agent", "SessionStore", "delta"]
 
 _LAZY = {
-    "load_policy": ("agent_runtime.policy", "load_policy"),
+    "load_policy": ("agent_runtime.policies.loading", "load_policy"),
     "Agent": ("agent_runtime.agent", "Agent"),
     "SessionStore": ("agent_runtime.store", "SessionStore"),
     "delta": ("agent_runtime.delta", None),

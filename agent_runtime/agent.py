@@ -30,7 +30,7 @@ from agent_runtime.context import (DEFAULT_SUMMARY_INSTRUCTION, SUMMARY_REQUEST,
                                    ContextConfig)
 from agent_runtime import names
 from agent_runtime.names import ORIGIN_USER
-from agent_runtime.policy import Completion, Policy
+from agent_runtime.policies.base import Completion, Policy
 from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, tool_schema
 

@@ -115,7 +115,7 @@ def _make_agent(store: Any, workspace: Path, model: str, policy_spec: str | None
                 max_steps: int, context_window: int | None, as_json: bool,
                 connect: str | None = None, token: str = "", learn: bool = True) -> Any:
     from agent_runtime.agent import Agent, AgentConfig
-    from agent_runtime.policy import load_policy
+    from agent_runtime.policies.loading import load_policy
     try:
         policy = load_policy(policy_spec or model)
     except (OSError, ValueError) as exc:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent_runtime import names
-from agent_runtime.policy import Completion, Policy
+from agent_runtime.policies.base import Completion, Policy
 
 SUMMARY_REQUEST = names.KIND_SUMMARY_REQUEST    # `kind` of the message that asks for a summary
 

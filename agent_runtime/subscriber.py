@@ -4,8 +4,9 @@ A background thread listens to the server's `/events` stream. For each new versi
 downloads one delta from the version the runtime holds (however far behind), verifies it
 completely against the live weights (`delta.prepare`: base hash, section checksums, tensor
 digests, resulting state hash) and stages it. Weights change only when the agent loop calls
-`maybe_swap()` / `poll_swap(apply_fn)` between model calls, so a generation in flight
-finishes on the weights it started with. Failures are retried with exponential backoff; an
+`maybe_swap()`, `poll_swap(apply_fn)` or `apply_staged(policy)` (what `follow()`'s
+`FollowingPolicy` calls) between model calls, so a generation in flight finishes on the
+weights it started with. Failures are retried with exponential backoff; an
 unknown base or repeated bad deltas fall back to a full snapshot.
 
 Not here: publishing and serving versions (learner), recording the version on samples (the
@@ -31,6 +32,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from agent_runtime import delta
+from agent_runtime.policies.following import FollowingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,26 @@ class Subscriber:
             return self.version
         finally:
             self._weights.release()
+
+    def apply_staged(self, policy: Any,
+                     on_swap: Callable[[int, str | None], None] | None = None) -> int | None:
+        """Apply the staged version, if any, to `policy` (an engine policy on this
+        subscriber's model) between its model calls: what a `FollowingPolicy` calls before
+        each one. Returns the new version, or None; `on_swap(version, sha256)` after a swap.
+        When nothing is staged but the server recognised our weights as another version,
+        the policy takes on that version number."""
+        def apply(patch: delta.Patch) -> None:
+            policy.swap_state(lambda _state: patch.commit(policy.model), patch.to_version)
+
+        version = self.poll_swap(apply)
+        if version is None:
+            known = self.version                        # the server recognised our weights
+            if known is not None and known != policy.version:
+                policy.version = known
+            return None
+        if on_swap is not None:
+            on_swap(version, self.sha256)
+        return version
 
     # ------------------------------------------------------------------ background thread
 
@@ -288,60 +310,6 @@ def _error_message(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
-class FollowingPolicy:
-    """A policy that takes on the version its `Subscriber` staged, before each model call.
-
-    Wrapping the policy keeps swaps between model calls, so a generation always finishes on
-    the weights it started with, and every sample carries the version that produced it.
-    """
-
-    def __init__(self, policy: Any, subscriber: "Subscriber",
-                 on_swap: Callable[[int, str | None], None] | None = None):
-        self.policy, self.subscriber, self.on_swap = policy, subscriber, on_swap
-
-    @property
-    def name(self) -> str:
-        return self.policy.name
-
-    @property
-    def version(self) -> int:
-        return self.policy.version
-
-    @property
-    def context_window(self) -> int:
-        return self.policy.context_window
-
-    @context_window.setter
-    def context_window(self, value: int) -> None:
-        self.policy.context_window = value
-
-    def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
-        return self.policy.count_tokens(messages, tools)
-
-    def complete(self, messages: list[dict], tools: list[dict] | None = None, **kw: Any) -> Any:
-        self.swap()
-        return self.policy.complete(messages, tools, **kw)
-
-    def swap(self) -> int | None:
-        policy = self.policy
-
-        def apply(patch: delta.Patch) -> None:
-            policy.swap_state(lambda _state: patch.commit(policy.model), patch.to_version)
-
-        version = self.subscriber.poll_swap(apply)
-        if version is None:
-            known = self.subscriber.version            # the server recognised our weights
-            if known is not None and known != policy.version:
-                policy.version = known
-            return None
-        if self.on_swap is not None:
-            self.on_swap(version, self.subscriber.sha256)
-        return version
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.policy, name)
-
-
 def follow(policy: Any, url: str, token: str, store: Any = None) -> tuple[Any, "Subscriber | None"]:
     """(policy, subscriber): follow the version server at `url` when the policy has weights
     to swap (an engine policy; a replay script has none: returned as is, subscriber None).
@@ -354,7 +322,7 @@ def follow(policy: Any, url: str, token: str, store: Any = None) -> tuple[Any, "
         if store is not None and sha256:
             store.record_policy_version(version, sha256, source=url)
 
-    return FollowingPolicy(policy, subscriber, on_swap=record), subscriber
+    return FollowingPolicy(policy, lambda p: subscriber.apply_staged(p, on_swap=record)), subscriber
 
 
 def main(argv: list[str] | None = None) -> None:

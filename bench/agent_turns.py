@@ -68,8 +68,8 @@ class Timed:
 
 
 def run_setting(name: str, path: Path, tasks: list, a, home: Path) -> dict:
-    from agent_runtime.batching import BatchingPolicy
-    from agent_runtime.policy import load_policy
+    from agent_runtime.policies.batching import BatchingPolicy
+    from agent_runtime.policies import load_policy
     from agent_runtime.store import SessionStore
     from learner.rollout import run_episodes
 

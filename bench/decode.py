@@ -26,7 +26,7 @@ from agent_runtime.model import load_model, save_model
 from agent_runtime.model.config import args_from_hf
 from agent_runtime.model.generate import SamplingParams, generate
 from agent_runtime.model.model import UPCAST_CPU, MoEModel
-from agent_runtime.policy import resolve_model_path
+from agent_runtime.policies import resolve_model_path
 
 TEST_SHAPE = {  # ~0.5 B parameters: hidden 1024, 8 layers, 32 experts top-4, width 512
     "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32768,

@@ -7,7 +7,7 @@ engine) sample G completions at temperature 1 for train-split task prompts
 (`learner.tasks.generate`) rendered by the chat template, recording logprobs and routes.
 Real grading would tie every group of a small or random model (every episode fails, so no
 gradient), so the reward is the learner's own toy reward: the share of even token ids in
-the completion (`learner.pipeline.toy_reward`, deterministic on the text). After `--warmup`
+the completion (`learner.toy.toy_reward`, deterministic on the text). After `--warmup`
 steps (Adam's moments filled), the published states before and after each of the next
 `--updates` steps are delta-encoded. Masters are `settle`d by default (each fp32 master at a
 random offset within its bf16 rounding cell, as after a long run; `--start checkpoint`: on
@@ -174,7 +174,7 @@ def checkpoint(spec: str, tmp: Path) -> tuple[Path, str]:
     checkpoints get the model-free byte-level tokenizer and the default chat template."""
     from agent_runtime.model import save_model
     from agent_runtime.model.tokenizer import byte_level_tokenizer
-    from agent_runtime.policy import resolve_model_path
+    from agent_runtime.policies import resolve_model_path
 
     if spec == "test":
         from decode import make_checkpoint
@@ -199,7 +199,7 @@ def rollout_group(policy, prompt: str, group_size: int, new_tokens: int,
                   loss: LossConfig) -> tuple[list[TrainSample], list[float]]:
     """G completions of one prompt sampled by `policy` (logprobs and routes recorded), scored
     with the learner's toy reward; the learner's group advantages -> training samples."""
-    from learner.pipeline import toy_reward
+    from learner.toy import toy_reward
 
     ids = policy.render([{"role": "user", "content": prompt}])
     gens = policy.generate([ids] * group_size, new_tokens)
@@ -240,7 +240,7 @@ def real_updates(path: Path, lr: float, args: argparse.Namespace, run_dir: Path)
     published (bf16) weights, on train-split task prompts rendered by the chat template.
     With `args.settled`, the masters are first `settle`d (published weights unchanged)."""
     from agent_runtime.model import load_model
-    from agent_runtime.policy import load_policy
+    from agent_runtime.policies import load_policy
     from learner import tasks
 
     torch.manual_seed(args.seed)

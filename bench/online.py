@@ -73,8 +73,8 @@ def behaviour(rated: list[tuple]) -> dict:
 
 
 def load(args, state=None, version: int = 0):
-    from agent_runtime.batching import BatchingPolicy
-    from agent_runtime.engine_policy import EnginePolicy
+    from agent_runtime.policies.batching import BatchingPolicy
+    from agent_runtime.policies.engine import EnginePolicy
     engine = EnginePolicy.load(args.model, temperature=args.temperature, dtype="bfloat16",
                                max_new_tokens=args.max_new_tokens, version=version)
     if state is not None:
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     from agent_runtime.names import ORIGIN_USER
-    from agent_runtime.policy import resolve_model_path
+    from agent_runtime.policies import resolve_model_path
     from agent_runtime.store import SessionStore
     from learner.gate import Gate, GateConfig
     from learner.online import OnlineConfig, OnlineLearner

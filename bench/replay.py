@@ -62,11 +62,11 @@ def make_agent_checkpoint(path: Path, seed: int = 0) -> Path:
 
 def rollout_batch(ckpt: Path, home: Path, dtype: str, groups: int, group_size: int,
                   tokens: int, seed: int, device: str = "cpu"):
-    from agent_runtime.policy import load_policy
+    from agent_runtime.policies import load_policy
     from agent_runtime.store import SessionStore
     from learner.config import RolloutConfig
     from learner.grpo import group_samples
-    from learner.pipeline import run_toy_group, toy_tasks
+    from learner.toy import run_toy_group, toy_tasks
 
     policy = load_policy(str(ckpt), dtype=dtype, temperature=1.0, max_new_tokens=tokens,
                          device=device)

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from agent_runtime.agent import Agent, AgentConfig
-from agent_runtime.policy import Completion
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies import Completion
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store import SessionStore
 from agent_runtime.tools.registry import default_tools
 

@@ -248,7 +248,7 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
     """Train with GRPO (router replay, async rollouts); rerun to resume after a kill."""
     import json
 
-    from agent_runtime.policy import check_policy
+    from agent_runtime.policies import check_policy
     from agent_runtime.store import SessionStore, default_home
     from learner import config as c
     from learner.pipeline import build
@@ -362,7 +362,7 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
         click.echo(format_comparison(ev))
     click.echo(f"recipe folder: {out_dir}")
     if ship:
-        from agent_runtime.policy import DEFAULT_MODEL_DIR
+        from agent_runtime.policies import DEFAULT_MODEL_DIR
         from learner.recipe.ship import ship as ship_model
         src = ship_model(out_dir, DEFAULT_MODEL_DIR)
         click.echo(f"shipped {src} -> {DEFAULT_MODEL_DIR}")

@@ -94,10 +94,10 @@ def policy_factory(spec: str, max_new_tokens: int = 512,
     if spec == "oracle":
         from learner.tasks.oracle import OraclePolicy
         return OraclePolicy
-    from agent_runtime.policy import load_policy
+    from agent_runtime.policies import load_policy
     if spec.startswith("replay:"):
         return lambda task: load_policy(spec)
-    from agent_runtime.batching import BatchingPolicy
+    from agent_runtime.policies.batching import BatchingPolicy
     model = load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens)
     if context_window:
         model.context_window = min(context_window, model.context_window)
@@ -136,7 +136,7 @@ def resolve_model(spec: str, recipe_dir: Path) -> Path:
     """A checkpoint directory from `default` (the shipped model), a recipe stage name
     (`recipe_dir/<stage>/model`) or a checkpoint path. Raises FileNotFoundError saying what
     was tried."""
-    from agent_runtime.policy import resolve_model_path
+    from agent_runtime.policies import resolve_model_path
     if spec == "default":
         try:
             return resolve_model_path("default")

@@ -130,8 +130,8 @@ class Gate:
 
     def _load(self) -> Any:
         if self._policy is None:
-            from agent_runtime.batching import BatchingPolicy
-            from agent_runtime.engine_policy import EnginePolicy
+            from agent_runtime.policies.batching import BatchingPolicy
+            from agent_runtime.policies.engine import EnginePolicy
             engine = EnginePolicy.load(self.model_path, temperature=0.0, dtype="bfloat16",
                                        max_new_tokens=self.config.max_new_tokens)
             self._engine = engine

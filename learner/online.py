@@ -151,7 +151,7 @@ class OnlineLearner:
 
     def _train_gate_publish(self, cycle_id: int, ids: list[int]) -> CycleResult:
         from agent_runtime import delta
-        from agent_runtime.policy import resolve_model_path
+        from agent_runtime.policies import resolve_model_path
         rewards = sample_rewards(self.store, ids)
         serving_version, serving = self.serving_state()
         samples = self._train_samples(ids, rewards, serving_version)
@@ -208,7 +208,7 @@ class OnlineLearner:
         when the store is empty, and must be the base model otherwise."""
         from agent_runtime import delta
         from agent_runtime.model import load_model
-        from agent_runtime.policy import resolve_model_path
+        from agent_runtime.policies import resolve_model_path
         path = str(resolve_model_path(self.config.model).resolve())
         marker = self.versions.root / BASE_FILE
         latest = self.versions.latest()
@@ -230,7 +230,7 @@ class OnlineLearner:
 
     def _trainer(self, serving: dict[str, torch.Tensor]):
         from agent_runtime.model import load_model
-        from agent_runtime.policy import resolve_model_path
+        from agent_runtime.policies import resolve_model_path
         from learner.trainer import Trainer
         model = load_model(resolve_model_path(self.config.model), dtype=torch.float32)
         try:

@@ -12,8 +12,8 @@ groups_per_step * (max_staleness + 1) are waiting or running, so they never run 
 ahead than the bound allows. Synchronous: generate a batch with the current version, train
 on it, repeat (for comparison).
 
-Task families: "sim" (`learner.tasks` + `learner.rollout`) and "toy" (one model call, reward =
-share of even token ids in the completion: trivially learnable, for tests and benchmarks).
+Task families: "sim" (`learner.tasks` + `learner.rollout`) and "toy" (`learner.toy`: one
+model call with a trivially learnable reward, for tests and benchmarks).
 
 Not here: the loss (`grpo.py`) and the update, checkpoints and publishing (`trainer.py`).
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import random
 import threading
 import time
 import traceback
@@ -34,8 +33,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from agent_runtime import names
-from agent_runtime.names import ORIGIN_ROLLOUT
+from agent_runtime.policies.base import batches
+from agent_runtime.policies.following import FollowingPolicy
 from learner.config import RolloutConfig, RunConfig
 from learner.grpo import Episode, Group, group_samples
 from learner.trainer import Trainer
@@ -52,57 +51,11 @@ class GroupRunner(Protocol):
 
 # -- task families ------------------------------------------------------------------------------
 
-@dataclass
-class ToyTask:
-    """One-call task: any answer; reward = share of even token ids among its text tokens."""
-    id: str
-    prompt: str
-
-
-def toy_tasks(n: int, seed: int = 0) -> list[ToyTask]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "calc", "tests", "fix", "add", "sum", "list"]
-    return [ToyTask(f"toy-{seed}-{i}", f"Say something about {' '.join(rng.sample(words, 3))}.")
-            for i in range(n)]
-
-
-def toy_reward(completion_ids: Sequence[int], stop_ids: Sequence[int]) -> float:
-    text = [t for t in completion_ids if t not in set(stop_ids)]
-    return sum(t % 2 == 0 for t in text) / len(text) if text else 0.0
-
-
-def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
-                  should_stop: Callable[[], bool] = lambda: False) -> Group:
-    episodes, samples = [], []
-    messages = [{"role": "user", "content": task.prompt}]
-    G = config.group_size
-    if hasattr(policy, "complete_many"):            # the whole group in one batch
-        done = policy.complete_many([messages] * G, max_new_tokens=config.max_new_tokens,
-                                    should_stop=[should_stop] * G)
-    else:
-        done = [policy.complete(messages, max_new_tokens=config.max_new_tokens,
-                                should_stop=should_stop) for _ in range(G)]
-    with store.transaction():                      # the group is recorded whole or not at all
-        for c in done:
-            sid = store.create_session(task.prompt, "", policy.name, c.version,
-                                       meta={"family": "toy", "task_id": task.id},
-                                       origin=ORIGIN_ROLLOUT)
-            store.add_message(sid, 0, "user", task.prompt)
-            mid = store.add_message(sid, 0, "assistant", c.text)
-            store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,
-                             c.version, c.finish_reason, c.temperature)
-            reward = toy_reward(c.completion_ids, policy.stop_token_ids)
-            store.set_status(sid, names.FINISHED, summary=f"reward {reward:.3f}")
-            episodes.append(Episode(sid, reward, passed=reward > 0.5))
-    samples = [store.samples(e.session_id) for e in episodes]
-    return Group(task.id, episodes, samples)
-
-
 def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
                   should_stop: Callable[[], bool] = lambda: False) -> Group:
-    from agent_runtime.batching import BatchingPolicy
+    from agent_runtime.policies.batching import BatchingPolicy
     from learner.rollout import run_episodes
-    if config.concurrency > 1 and hasattr(policy, "complete_many"):
+    if config.concurrency > 1 and batches(policy):
         policy = BatchingPolicy(policy, max_batch=config.concurrency)
     eps = run_episodes(lambda _task: policy, [task] * config.group_size, store,
                        concurrency=config.concurrency, max_steps=config.max_steps)
@@ -113,6 +66,7 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
 def task_family(name: str, seed: int = 0) -> tuple[list[Any], GroupRunner]:
     """The training tasks and group runner of a family ("sim" or "toy")."""
     if name == "toy":
+        from learner.toy import run_toy_group, toy_tasks
         return toy_tasks(64, seed), run_toy_group
     if name == "sim":
         from learner import tasks
@@ -151,8 +105,9 @@ class WeightBoard:
                 t.copy_(state[name])
             self._version.value = version
 
-    def follow(self, policy: Any) -> "Following":
-        return Following(policy, self)
+    def follow(self, policy: Any) -> FollowingPolicy:
+        """`policy`, brought to the board's newest version before each of its model calls."""
+        return FollowingPolicy(policy, self.sync)
 
     def sync(self, policy: Any) -> None:
         """Bring `policy` to the newest version (after its model call in flight, if any)."""
@@ -173,26 +128,6 @@ class WeightBoard:
                 policy.swap_state(copy_in, version)
             except _Moved:
                 continue
-
-
-class Following:
-    """A policy that moves to the board's newest version before each of its model calls."""
-
-    def __init__(self, policy: Any, board: WeightBoard):
-        self.policy, self.board = policy, board
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.policy, name)
-        if name == "complete_many":              # only where the policy batches
-            def complete_many(*args: Any, **kwargs: Any) -> Any:
-                self.board.sync(self.policy)
-                return attr(*args, **kwargs)
-            return complete_many
-        return attr
-
-    def complete(self, *args: Any, **kwargs: Any) -> Any:
-        self.board.sync(self.policy)
-        return self.policy.complete(*args, **kwargs)
 
 
 # -- the pipeline -------------------------------------------------------------------------------
@@ -482,7 +417,7 @@ def _worker_main(config: RunConfig, model_path: str, home: str, board: WeightBoa
 
 def rollout_policy(config: RunConfig, model_path: str | Path) -> Any:
     """An `EnginePolicy` sampling as the trainer expects (full distribution, its temperature)."""
-    from agent_runtime.engine_policy import EnginePolicy
+    from agent_runtime.policies.engine import EnginePolicy
     r = config.rollout
     return EnginePolicy.load(str(model_path), dtype=r.dtype, device=r.device,
                              temperature=config.trainer.temperature,
@@ -493,7 +428,7 @@ def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = No
           policy_factory: Callable[[], Any] | None = None) -> Pipeline:
     """A pipeline for `config`: trainer opened (resumed when the run folder has a checkpoint),
     rollout policies loaded and brought to the trainer's version, tasks chosen."""
-    from agent_runtime.engine_policy import resolve_model_path
+    from agent_runtime.policies import resolve_model_path
 
     p = config.pipeline
     if p.torch_threads:

@@ -53,7 +53,7 @@ class Delegate:
             if self._policy is None:
                 from mcp.server.mcpserver.exceptions import ToolError
 
-                from agent_runtime.policy import load_policy
+                from agent_runtime.policies import load_policy
                 try:
                     self._policy = load_policy(self.config.policy_spec)
                 except (OSError, ValueError) as exc:
@@ -131,7 +131,7 @@ def mcp_command(model: str, policy_spec: str | None, max_steps: int,
     """Serve apprentice as an MCP server on stdio (a `run_task` tool for other agents)."""
     import anyio
 
-    from agent_runtime.policy import check_policy
+    from agent_runtime.policies import check_policy
     try:
         check_policy(policy_spec or model)
     except (OSError, ValueError) as exc:

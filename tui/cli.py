@@ -41,7 +41,7 @@ def tui_command(workspace: Path, model: str, policy_spec: str | None, max_steps:
         context_window: int | None, approval: str, connect: str | None, token: str,
         no_learn: bool) -> None:
     """Open the terminal UI: chat with the agent in a workspace (default: here)."""
-    from agent_runtime.policy import check_policy
+    from agent_runtime.policies import check_policy
     try:
         check_policy(policy_spec or model)
     except (OSError, ValueError) as exc:

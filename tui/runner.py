@@ -38,7 +38,7 @@ class Settings:
 
 def load(settings: Settings) -> tuple[Any, str | None]:
     """(policy, None), or (None, a message for the user) when the policy cannot be loaded."""
-    from agent_runtime.policy import load_policy
+    from agent_runtime.policies import load_policy
     spec = settings.spec
     try:
         policy = load_policy(spec)

@@ -57,8 +57,8 @@ def _shard(args: tuple) -> list[dict]:
 
     import torch
 
-    from agent_runtime.batching import BatchingPolicy
-    from agent_runtime.engine_policy import EnginePolicy
+    from agent_runtime.policies.batching import BatchingPolicy
+    from agent_runtime.policies.engine import EnginePolicy
     from agent_runtime.store import SessionStore
     from learner.recipe.pretrain import pick_device
     from agent_runtime.names import ORIGIN_EVAL

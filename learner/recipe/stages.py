@@ -136,7 +136,7 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
 
 def _grpo(out: Path, config: RecipeConfig, log) -> dict:
     """GRPO with the learner's pipeline (router replay on) from the SFT checkpoint."""
-    from agent_runtime.engine_policy import EnginePolicy
+    from agent_runtime.policies.engine import EnginePolicy
     from agent_runtime.model import save_model
     from agent_runtime.store import SessionStore
     from learner import config as lc

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 
 ORACLE_NAME = "oracle"
 

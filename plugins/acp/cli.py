@@ -38,7 +38,7 @@ def acp_command(model: str, policy_spec: str | None, max_steps: int,
     import logging
     import sys
 
-    from agent_runtime.policy import check_policy
+    from agent_runtime.policies import check_policy
     from plugins.acp.server import AcpConfig
     try:
         check_policy(policy_spec or model)

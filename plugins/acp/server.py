@@ -73,7 +73,7 @@ class ApprenticeAgent:
 
     def policy(self) -> Any:
         if self._policy is None:
-            from agent_runtime.policy import load_policy
+            from agent_runtime.policies import load_policy
             try:
                 self._policy = load_policy(self.config.policy_spec)
             except (OSError, ValueError) as exc:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent_runtime.agent import Agent, AgentConfig, Callbacks
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store import SessionStore
 from agent_runtime.tools.base import ToolResult
 from agent_runtime.tools.registry import default_tools

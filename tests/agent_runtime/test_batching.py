@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from agent_runtime.agent import Agent, AgentConfig
-from agent_runtime.batching import BatchingPolicy
-from agent_runtime.policy import Completion, load_policy
+from agent_runtime.policies.batching import BatchingPolicy
+from agent_runtime.policies import Completion, load_policy
 from agent_runtime.store import SessionStore
 from tiny_checkpoints import save_tiny_agent_checkpoint
 

@@ -6,7 +6,7 @@ import pytest
 
 from agent_runtime.agent import Agent, AgentConfig, Callbacks
 from agent_runtime.context import SUMMARY_REQUEST, Context, ContextConfig
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.tools.base import tool_schema
 from agent_runtime.tools.registry import default_tools
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agent_runtime.agent import Agent
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store import SessionStore
 from agent_runtime.tools.registry import default_tools
 

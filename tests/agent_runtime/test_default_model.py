@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from agent_runtime.policy import DEFAULT_MODEL_DIR, load_policy, resolve_model_path
+from agent_runtime.policies import DEFAULT_MODEL_DIR, load_policy, resolve_model_path
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").exists(),
                                 reason="this build ships no default model")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from agent_runtime.agent import Agent, AgentConfig
-from agent_runtime.policy import load_policy
+from agent_runtime.policies import load_policy
 from agent_runtime.store import SessionStore
 from tiny_checkpoints import save_tiny_agent_checkpoint
 

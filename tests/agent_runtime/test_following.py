@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from agent_runtime.policy import load_policy
+from agent_runtime.policies import load_policy
 from agent_runtime.store import SessionStore
 from agent_runtime.subscriber import follow
 from learner.server import ServerConfig, VersionServer

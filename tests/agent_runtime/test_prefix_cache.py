@@ -6,7 +6,7 @@ import torch
 
 from agent_runtime.model.generate import SamplingParams, generate
 from agent_runtime.model.prefix_cache import PrefixCache
-from agent_runtime.policy import load_policy
+from agent_runtime.policies import load_policy
 from tiny_checkpoints import save_tiny_agent_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

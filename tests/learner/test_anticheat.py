@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store import SessionStore
 from learner.rollout import rewards, run_episode
 from learner.tasks import export, generate, grade, load_task_folder

@@ -18,7 +18,7 @@ from online_support import VALID, record_session, wait_for  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.cli import main  # noqa: E402
-from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.policies import load_policy  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -113,7 +113,7 @@ def test_compare_needs_two_different_models_and_no_model_option(home, recipe):
 
 
 def test_a_cheated_pass_is_not_counted(monkeypatch, tmp_path):
-    from agent_runtime.engine_policy import EnginePolicy
+    from agent_runtime.policies.engine import EnginePolicy
     from learner import rollout
     from learner.recipe.evaluate import EvalConfig, evaluate_model
 

@@ -14,7 +14,7 @@ from online_support import INVALID, SYSTEM, VALID, record_session, teach  # noqa
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.cli import main  # noqa: E402
-from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.policies import load_policy  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
 from learner.gate import GateConfig, GateMetrics, compare  # noqa: E402
 from learner.online import OnlineConfig, OnlineLearner, result_of  # noqa: E402

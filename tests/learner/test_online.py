@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_support import INVALID, VALID, record_session  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
-from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.policies import load_policy  # noqa: E402
 from learner.gate import GateConfig  # noqa: E402
 from learner.online import OnlineConfig, OnlineLearner, _cap_update  # noqa: E402
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_support import VALID, record_session, wait_for  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
-from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.policies import load_policy  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
 from learner.online import HOLD_ENV  # noqa: E402
 from learner.versions import VersionStore  # noqa: E402

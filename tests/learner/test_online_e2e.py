@@ -15,7 +15,7 @@ from online_support import SYSTEM, VALID, teach, wait_for  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.cli import main  # noqa: E402
-from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.policies import load_policy  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
 from agent_runtime.subscriber import follow  # noqa: E402
 from learner.server import ServerConfig, VersionServer  # noqa: E402

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.store import SessionStore  # noqa: E402
-from learner import pipeline  # noqa: E402
+from learner import pipeline, toy  # noqa: E402
 from learner.config import (OptimConfig, PipelineConfig, RolloutConfig, RunConfig,  # noqa: E402
                             TrainerConfig)
 from learner.grpo import Episode, Group  # noqa: E402
@@ -147,8 +147,8 @@ def test_a_time_limit_stops_the_run(ckpt, tmp_path):
 
 
 def test_toy_reward_ignores_stop_tokens():
-    assert pipeline.toy_reward([2, 4, 5, 7], stop_ids=[7]) == pytest.approx(2 / 3)
-    assert pipeline.toy_reward([7], stop_ids=[7]) == 0.0
+    assert toy.toy_reward([2, 4, 5, 7], stop_ids=[7]) == pytest.approx(2 / 3)
+    assert toy.toy_reward([7], stop_ids=[7]) == 0.0
 
 
 def test_weights_are_never_labelled_with_another_version():

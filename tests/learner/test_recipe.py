@@ -287,7 +287,7 @@ def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir
     run_recipe(out, config, ("pretrain",), log=lines.append)
     assert any("skipped" in line for line in lines)
 
-    from agent_runtime.policy import load_policy
+    from agent_runtime.policies import load_policy
     from learner.recipe.ship import ship
     dest = tmp_path / "assets" / "default"
     dest.mkdir(parents=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store.migrations import MIGRATIONS
 from learner.rollout import Episode, rewards, run_episode, run_episodes
 from learner.tasks import generate

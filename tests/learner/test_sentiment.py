@@ -7,7 +7,7 @@ import pytest
 
 from agent_runtime import names
 from agent_runtime.agent import Agent, AgentConfig
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.tools.base import ToolError
 from agent_runtime.tools.registry import default_tools
 from learner.sentiment import (DISSATISFIED, SignalConfig, derive_signals, rated_sample_ids,

@@ -14,7 +14,7 @@ from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime import delta  # noqa: E402
 from agent_runtime.model import load_model  # noqa: E402
-from agent_runtime.policy import load_policy  # noqa: E402
+from agent_runtime.policies import load_policy  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
 from learner import pipeline  # noqa: E402
 from learner.config import (OptimConfig, PipelineConfig, RolloutConfig, RunConfig,  # noqa: E402

@@ -11,7 +11,7 @@ from plugin_support import MCP_TEST_SERVER, call
 from agent_runtime.agent import Agent
 from agent_runtime.approvals import NO, ApprovalGate, ApprovalStore, gated
 from agent_runtime.hooks import plugin_tools
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store import SessionStore
 
 pytestmark = pytest.mark.usefixtures("mcp_hub")

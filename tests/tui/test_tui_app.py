@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store import SessionStore
 from tui.screens import ApprovalScreen, FeedbackScreen, SessionsScreen
 from tui.widgets import AssistantMessage, Note, SummaryMark, ToolPanel
@@ -152,7 +152,6 @@ async def test_enter_on_a_reason_sends_and_escape_says_nothing_was_recorded(work
 
 
 async def test_f1_and_question_mark_open_the_keys_and_the_footer_shows_quit(workspace):
-    from textual.widgets import Footer
     from tui.screens import HelpScreen
     app = make_app(workspace, [FINISH])
     async with app.run_test(size=SIZE) as pilot:
@@ -364,7 +363,7 @@ async def test_without_a_default_model_the_app_explains_and_stays_up(workspace, 
     def load_policy(spec):          # what EnginePolicy.load("default") raises, without torch
         raise FileNotFoundError(f"no default model at {tmp_path}: this build ships none yet")
 
-    monkeypatch.setattr("agent_runtime.policy.load_policy", load_policy)
+    monkeypatch.setattr("agent_runtime.policies.loading.load_policy", load_policy)
     app = ApprenticeApp(Settings(workspace=workspace))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.policy_error is not None, what="the load to fail")

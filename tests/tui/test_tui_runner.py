@@ -17,7 +17,7 @@ def test_missing_default_model_becomes_a_message(monkeypatch):
     def load_policy(spec):
         raise FileNotFoundError("no default model at X")
 
-    monkeypatch.setattr("agent_runtime.policy.load_policy", load_policy)
+    monkeypatch.setattr("agent_runtime.policies.loading.load_policy", load_policy)
     policy, error = runner.load(Settings())
     assert policy is None and error.startswith(runner.NO_DEFAULT_MODEL)
 

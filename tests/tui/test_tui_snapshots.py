@@ -8,7 +8,7 @@ not move when the system prompt changes), no sandbox notice, no cursor blink.
 
 import pytest
 
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies.replay import ReplayPolicy
 from tui.app import ApprenticeApp
 from tui.screens import ApprovalScreen
 from tui_support import EDIT, FINISH, READ, TEST, make_app, send, until_idle, wait_for

@@ -6,8 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from agent_runtime.policy import Completion
-from agent_runtime.replay_policy import ReplayPolicy
+from agent_runtime.policies import Completion
+from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.store import SessionStore
 from tui.app import ApprenticeApp
 from tui.runner import Settings

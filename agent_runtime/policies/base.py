@@ -1,9 +1,11 @@
-"""Policies: what the agent loop asks for the next assistant message.
+"""What every policy is: the `Policy` protocol the agent loop depends on, the `Completion` a
+model call returns, the one optional capability (`complete_many`: decoding several calls as
+one batch) and where checkpoints are found.
 
-`Policy` is the protocol the loop depends on. `load_policy` builds one from a spec:
-`"default"` or a checkpoint directory (the MoE engine, `EnginePolicy`), or
-`"replay:FILE"` (the scripted policy that replays assistant texts from a JSON list).
-This module does not render prompts itself; the policy's `ChatTemplate` does.
+This module imports nothing from the project, so every other module of the package (and
+`agent_runtime.context`) can import it: the policies' imports run one way, from
+`loading` (builds a policy from a spec) to `engine`, `replay`, `batching` and `following`,
+each of which needs only this module (`replay` also needs `agent_runtime.context`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "default"
 
 
 @dataclass
@@ -65,31 +67,10 @@ def resolve_model_path(spec: str) -> Path:
     return path
 
 
-def check_policy(spec: str) -> None:
-    """Raise what `load_policy(spec)` would on a missing or unrunnable checkpoint (or replay
-    file), without loading weights or importing torch: OSError or ValueError with one line
-    that says what is wrong. Servers call it at start, before their first request."""
-    if spec.startswith("replay:"):
-        path = Path(spec[len("replay:"):]).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"replay script {path} does not exist")
-        return
-    import json
-
-    from agent_runtime.model.config import args_from_hf
-    path = resolve_model_path(spec)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path / 'config.json'}: not valid JSON ({exc})") from None
-    args_from_hf(config)
-
-
-def load_policy(spec: str = "default", **kwargs: Any) -> Policy:
-    """Build a policy from `"default"`, a checkpoint path, or `"replay:FILE"`."""
-    if spec.startswith("replay:"):
-        from agent_runtime.replay_policy import ReplayPolicy
-        return ReplayPolicy.from_file(spec[len("replay:"):], **kwargs)
-    check_policy(spec)                         # fail fast, before importing torch
-    from agent_runtime.engine_policy import EnginePolicy
-    return EnginePolicy.load(spec, **kwargs)
+def batches(policy: Any) -> bool:
+    """Whether `policy` decodes several calls as one batch, the optional capability of the
+    `Policy` protocol (the engine has it; a replay script does not):
+    `complete_many(messages_per_row, tools=None, *, max_new_tokens=None, on_text=None,
+    should_stop=None) -> list[Completion]`, with per-row lists for tools, on_text and
+    should_stop."""
+    return callable(getattr(policy, "complete_many", None))

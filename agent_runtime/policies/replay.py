@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
-from agent_runtime.policy import Completion
+from agent_runtime.policies.base import Completion
 
 
 class ReplayExhausted(RuntimeError):

@@ -19,7 +19,7 @@ import torch
 from agent_runtime.model import MoEModel, load_model, load_tokenizer
 from agent_runtime.model.generate import Generation, SamplingParams, generate
 from agent_runtime.model.prefix_cache import PrefixCache
-from agent_runtime.policy import Completion, resolve_model_path
+from agent_runtime.policies.base import Completion, resolve_model_path
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from agent_runtime.policy import Completion
+from agent_runtime.policies.base import Completion, batches
 
 
 @dataclass(eq=False)
@@ -115,8 +115,7 @@ class BatchingPolicy:
 
     def _decode(self, batch: list[_Call]) -> None:
         try:
-            many = getattr(self.policy, "complete_many", None)
-            if many is None or len(batch) == 1:
+            if not batches(self.policy) or len(batch) == 1:
                 for c in batch:
                     try:
                         c.result = self.policy.complete(
@@ -125,7 +124,7 @@ class BatchingPolicy:
                     except Exception as exc:       # noqa: BLE001 - handed to its caller
                         c.error = exc
                 return
-            results = many([c.messages for c in batch], [c.tools for c in batch],
+            results = self.policy.complete_many([c.messages for c in batch], [c.tools for c in batch],
                            max_new_tokens=batch[0].max_new_tokens,
                            on_text=[c.on_text for c in batch],
                            should_stop=[c.should_stop for c in batch])
