@@ -52,7 +52,7 @@ def default_recipe() -> RecipeConfig:
             corpus_bytes=8_000_000, task_repos=6000, seq_len=1024, batch_size=16,
             repeat_share=0.2, copy_share=0.4, eval_windows=16, eval_every=100),
         sft=SFTConfig(
-            train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=2100,
+            train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=3300,
                            fit_to_time=True, checkpoint_every=100, log_every=20,
                            head_on_mask=True),
             tasks=2000, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
