@@ -291,8 +291,11 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
 
 
 def _progress_line(row: dict) -> str:
+    """One step's numbers; "-" for one the step did not measure (None, or NaN: e.g. the KL of
+    a step whose groups all had equal rewards, so no token was trained)."""
     def f(key: str, fmt: str) -> str:
-        return "-" if row.get(key) is None else format(row[key], fmt)
+        value = row.get(key)
+        return "-" if value is None or value != value else format(value, fmt)
     return (f"v{row['version']} reward {f('reward_mean', '.3f')} pass {f('pass_rate', '.2f')} "
             f"kl {f('kl', '.1e')} flip {f('flip_rate', '.3f')}")
 

@@ -117,3 +117,10 @@ def test_killed_run_resumes_from_its_last_checkpoint_keeping_versions(ckpt, tmp_
     assert all(after.info(v).sha256 == sha for v, sha in before.items())   # none lost or changed
     assert max(before) < after.latest().version <= max(before) + 2
     assert [r["step"] for r in load_metrics(run)][:target] == list(range(1, target + 1))
+
+
+def test_a_number_a_step_did_not_measure_shows_as_a_dash_not_nan():
+    from learner.cli import _progress_line
+    line = _progress_line({"version": 3, "reward_mean": 0.5, "pass_rate": None,
+                           "kl": float("nan"), "flip_rate": 0.0})
+    assert line == "v3 reward 0.500 pass - kl - flip 0.000"
