@@ -106,6 +106,8 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sessions' sampling")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-update", type=float, default=1e-3)
+    p.add_argument("--max-changed", type=float, default=0.03,
+                   help="share of the weights one cycle may change")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per cycle")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--sandbox", default=None)
@@ -125,6 +127,7 @@ def main(argv=None) -> None:
     os.environ["APPRENTICE_HOME"] = str(home)
     store = SessionStore(home)
     config = OnlineConfig(model=args.model, steps=args.steps, max_update=args.max_update,
+                          max_changed=args.max_changed,
                           gate=GateConfig(n_tasks=args.gate_tasks, max_steps=args.max_steps,
                                           max_new_tokens=args.max_new_tokens,
                                           concurrency=args.concurrency, sandbox=args.sandbox))

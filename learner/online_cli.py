@@ -30,7 +30,8 @@ def _versions_option(fn):
 
 
 def _online_config(model: str, versions_dir: Path | None, lr: float | None,
-                   gate_tasks: int | None, max_update: float | None):
+                   gate_tasks: int | None, max_update: float | None,
+                   max_changed: float | None = None):
     from learner.online import OnlineConfig
     config = OnlineConfig(model=model, versions=str(versions_dir) if versions_dir else None)
     if lr is not None:
@@ -39,6 +40,8 @@ def _online_config(model: str, versions_dir: Path | None, lr: float | None,
         config.gate.n_tasks = gate_tasks
     if max_update is not None:
         config.max_update = max_update
+    if max_changed is not None:
+        config.max_changed = max_changed
     return config
 
 
@@ -49,6 +52,10 @@ def _tuning_options(fn):
         click.option("--max-update", type=click.FloatRange(0), default=None,
                      help="Cap on one cycle's weight change, relative L2 norm (default 1e-3; "
                           "0 = no cap)."),
+        click.option("--max-changed", type=click.FloatRange(0, 1), default=None,
+                     help="Share of the weights one cycle may change: the largest changes "
+                          "against their bf16 spacing (default 0.03; 1 = all). Smaller "
+                          "deltas to ship to runtimes."),
         click.option("--gate-tasks", type=click.IntRange(0), default=None,
                      help="Held-out simulated tasks the gate runs (default 8; 0 = no gate)."),
     ]):
@@ -66,11 +73,12 @@ def _tuning_options(fn):
 @_versions_option
 @_tuning_options
 def online(once: bool, as_json: bool, model: str, versions_dir: Path | None, lr: float | None,
-           max_update: float | None, gate_tasks: int | None) -> None:
+           max_update: float | None, max_changed: float | None,
+           gate_tasks: int | None) -> None:
     """Learn from your rated sessions now: gather, train, gate, publish."""
     from agent_runtime.store import SessionStore
     from learner.online import LearnerBusy, OnlineLearner
-    config = _online_config(model, versions_dir, lr, gate_tasks, max_update)
+    config = _online_config(model, versions_dir, lr, gate_tasks, max_update, max_changed)
     with SessionStore() as store:
         learner = OnlineLearner(store, config)
         for _ in range(1 if once else 100):
@@ -138,8 +146,8 @@ def status(as_json: bool) -> None:
 @click.option("--poll-seconds", type=click.FloatRange(0.1), default=60.0, show_default=True,
               help="Look at the schedule this often even when the store does not change.")
 def daemon(model: str, versions_dir: Path | None, lr: float | None, max_update: float | None,
-           gate_tasks: int | None, host: str, port: int, token: str, no_serve: bool,
-           poll_seconds: float) -> None:
+           max_changed: float | None, gate_tasks: int | None, host: str, port: int, token: str,
+           no_serve: bool, poll_seconds: float) -> None:
     """Background learner for this machine: learns from rated sessions, serves versions."""
     import secrets
 
@@ -150,7 +158,8 @@ def daemon(model: str, versions_dir: Path | None, lr: float | None, max_update: 
         click.echo(f"version server token (pass it to --connect runtimes): {token}", err=True)
     config = DaemonConfig(serve=not no_serve, host=host, port=port, token=token,
                           poll_s=poll_seconds,
-                          online=_online_config(model, versions_dir, lr, gate_tasks, max_update))
+                          online=_online_config(model, versions_dir, lr, gate_tasks, max_update,
+                                                 max_changed))
     with SessionStore() as store:
         d = Daemon(store, config)
         d.install_signals()

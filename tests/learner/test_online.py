@@ -14,7 +14,7 @@ from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.policies import load_policy  # noqa: E402
 from learner.gate import GateConfig  # noqa: E402
-from learner.online import OnlineConfig, OnlineLearner, _cap_update  # noqa: E402
+from learner.online import OnlineConfig, OnlineLearner, _cap_update, _sparsify_update  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,6 +100,35 @@ def test_a_small_update_is_left_as_it_is():
     before = model.weight.detach().clone()
     _cap_update(model, serving, 1e-2)
     assert torch.equal(model.weight, before)
+
+
+def test_a_sparse_update_keeps_the_largest_changes_against_bf16_spacing():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(100, 100)
+    serving = {k: v.detach().to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.load_state_dict(serving)
+        model.weight.add_(torch.randn_like(model.weight) * 1e-3)
+        model.weight[3, 7] = serving["weight"][3, 7] * 1.5     # far beyond its spacing
+    weight = serving["weight"]
+    spacing = torch.ldexp(torch.ones_like(weight), torch.frexp(weight).exponent - 8)
+    score = (model.weight.detach() - serving["weight"]).abs() / spacing
+    kept = _sparsify_update(model, serving, 0.05)
+    changed = model.weight != serving["weight"]
+    assert kept == pytest.approx(0.05, abs=0.01)
+    assert int(changed.sum()) == pytest.approx(0.05 * 10_100, rel=0.2)
+    assert changed[3, 7] and torch.equal(model.bias, serving["bias"])
+    assert float(score[changed].min()) >= float(score[~changed].max())
+    assert torch.equal(model.weight[~changed], serving["weight"][~changed])
+
+
+def test_a_cycle_changes_at_most_its_share_of_the_published_weights(store, ckpt, policy):
+    store.add_feedback(1, session_id=record_session(store, policy, "fix it", VALID))
+    online = learner(store, ckpt, max_changed=0.02, max_update=0.0)
+    result = online.run_cycle()
+    old, new = online.versions.state(1), online.versions.state(result.version)
+    changed = sum(int((old[k] != new[k]).sum()) for k in old)
+    assert 0 < changed <= 0.02 * sum(t.numel() for t in old.values())
 
 
 def test_an_update_too_small_to_change_the_bf16_weights_publishes_nothing(store, ckpt, policy):
