@@ -17,6 +17,13 @@ minimal environment (PATH, HOME, LANG, TERM, ...), never the user's secrets; Pyt
 its bytecode caches to the private tmp (PYTHONPYCACHEPREFIX), so running tests leaves no
 `__pycache__` folders in the workspace.
 
+Inside the sandbox the workspace is also at one fixed path, `/workspace` (`SandboxConfig.mount`,
+as OpenHands mounts its workspace), and commands start there: a traceback, `pwd` or a test
+report names `/workspace/pkg/mod.py` whatever folder the user works in, the same paths the
+model saw in training (the tools accept `/workspace/...` as a workspace path). The workspace
+stays writable at its own path too, for files that name it. The sandbox's root is a fresh
+read-only tree of the host's top-level folders, so that the mount point can be made.
+
 This module does not parse commands, ask the user for approval, or keep shell state between
 commands (each command is a fresh `bash -c`; only files in the workspace and /tmp persist).
 """
@@ -41,6 +48,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "off", "require")
+MOUNT = "/workspace"          # where commands see the workspace inside the sandbox
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _EXIT_GRACE_S = 0.3          # how long to keep reading after the shell exits (stragglers)
 _PROBE_TIMEOUT_S = 20.0
@@ -62,6 +70,8 @@ class SandboxConfig:
     memory_limit: int | None = 8 * 2**30   # address space (RLIMIT_AS) per process, bytes
     max_processes: int | None = 1024       # processes (cgroup: tasks) alive at once per command
     writable_paths: tuple[str, ...] = ()   # host paths writable besides workspace and /tmp
+    mount: str | None = MOUNT              # the workspace's path inside the sandbox, where
+                                           # commands start (None: its host path)
     network: bool = False                  # share the host network (off: private loopback only)
     bwrap: str = "bwrap"                   # bubblewrap executable, on PATH or a path
     shell: str | None = None               # runs `SHELL -c COMMAND`; default bash, else sh
@@ -223,19 +233,30 @@ class Sandbox:
         return argv
 
     def _bwrap_flags(self, cwd: Path) -> list[str]:
-        ws = str(self.workspace)
-        flags = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                 "--bind", str(self._tmp), "/tmp"]
+        ws, mount = str(self.workspace), self.config.mount
+        flags = []
+        for entry in sorted(os.scandir("/"), key=lambda e: e.name):
+            path = "/" + entry.name
+            if entry.name in ("proc", "dev", "tmp") or path == mount:
+                continue
+            if entry.is_symlink():
+                flags += ["--symlink", os.readlink(path), path]
+            else:
+                flags += ["--ro-bind-try", path, path]
+        flags += ["--dev", "/dev", "--proc", "/proc", "--bind", str(self._tmp), "/tmp"]
         # The private /tmp hides whatever lived under the host's /tmp: keep the running
         # interpreter (a venv made under /tmp, as CI clones do) visible, read-only.
         for prefix in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}):
             if prefix.startswith("/tmp/"):
                 flags += ["--ro-bind", prefix, prefix]
         flags += ["--bind", ws, ws]
+        if mount and mount != ws:
+            flags += ["--bind", ws, mount]
+            cwd = Path(mount) / cwd.relative_to(self.workspace)
         for p in self.config.writable_paths:
             real = os.path.realpath(p)
             flags += ["--bind", real, real]
-        flags += ["--unshare-all", "--unshare-user"]
+        flags += ["--remount-ro", "/", "--unshare-all", "--unshare-user"]
         if self.config.network:
             flags.append("--share-net")
         flags += ["--die-with-parent", "--new-session", "--chdir", str(cwd)]

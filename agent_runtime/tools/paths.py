@@ -1,7 +1,9 @@
 """Workspace paths for the built-in tools: confinement, ignore rules, globbing, text sniffing.
 
 Every path a tool touches goes through `resolve()`, which refuses anything that ends up
-outside the workspace root, whether through `..`, an absolute path or a symlink. `walk()`
+outside the workspace root, whether through `..`, an absolute path or a symlink. An absolute
+path under `/workspace` (where sandboxed commands see the workspace, so what tracebacks and
+test reports name) is that path of the workspace. `walk()`
 yields workspace files in a stable order, skipping what a developer would not want searched
 (`.git`, `__pycache__`, virtualenvs, `node_modules`, and what `.gitignore` files name).
 
@@ -20,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
+from agent_runtime.sandbox import MOUNT
 from agent_runtime.tools.base import ToolError
 
 # Directories never listed or searched, whatever .gitignore says.
@@ -32,13 +35,17 @@ SNIFF_BYTES = 8192
 
 
 def resolve(workspace: Path, path: str, *, tool: str = "") -> Path:
-    """The absolute, symlink-free path for `path` (relative to the workspace, or absolute
-    inside it). Raises ToolError when it would leave the workspace."""
+    """The absolute, symlink-free path for `path` (relative to the workspace, absolute inside
+    it, or under `/workspace`, the sandbox's name for it). Raises ToolError when it would
+    leave the workspace."""
     prefix = f"{tool}: " if tool else ""
     if "\x00" in path:
         raise ToolError(f"{prefix}path contains a NUL byte")
     root = Path(os.path.realpath(workspace))
     raw = Path(path.strip() or ".")
+    if raw.is_absolute() and (raw == Path(MOUNT) or Path(MOUNT) in raw.parents) \
+            and not _inside(root, Path(os.path.normpath(raw))):
+        raw = raw.relative_to(MOUNT)
     candidate = raw if raw.is_absolute() else root / raw
     real = Path(os.path.realpath(candidate))
     if real != root and root not in real.parents:

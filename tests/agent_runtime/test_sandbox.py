@@ -114,6 +114,23 @@ def test_workspace_is_writable(bwrap_sandbox, workspace):
     assert (workspace / "sub" / "inside.txt").read_text() == "hello\n"
 
 
+def test_commands_see_the_workspace_at_one_fixed_path(bwrap_sandbox, workspace):
+    (workspace / "pkg").mkdir()
+    (workspace / "pkg" / "mod.py").write_text("raise ValueError('boom')\n")
+    sb = bwrap_sandbox()
+    res = sb.run("pwd; python3 pkg/mod.py")
+    assert res.output.startswith("/workspace\n") and 'File "/workspace/pkg/mod.py"' in res.output
+    assert sb.run("pwd", cwd=workspace / "pkg").output == "/workspace/pkg\n"
+    res = sb.run(f"echo a > /workspace/a.txt && echo b > {workspace}/b.txt && cat /workspace/b.txt")
+    assert res.exit_code == 0 and res.output == "b\n", res.output
+    assert (workspace / "a.txt").read_text() == "a\n"
+    assert sb.run("touch /new-file-at-the-root").exit_code != 0
+
+
+def test_without_a_mount_commands_see_the_workspace_at_its_own_path(bwrap_sandbox, workspace):
+    assert bwrap_sandbox(mount=None).run("pwd").output == f"{workspace.resolve()}\n"
+
+
 def test_network_is_refused(bwrap_sandbox):
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.bind(("127.0.0.1", 0))

@@ -41,6 +41,15 @@ def test_absolute_path_inside_is_allowed(ws):
     assert paths.resolve(ws, str(target)) == target.resolve()
 
 
+def test_a_path_under_the_sandbox_mount_is_that_path_of_the_workspace(ws):
+    assert paths.resolve(ws, "/workspace/src/pkg/mod.py") == (ws / "src/pkg/mod.py").resolve()
+    assert paths.resolve(ws, "/workspace") == ws.resolve()
+    with pytest.raises(ToolError, match="outside the workspace"):
+        paths.resolve(ws, "/workspace/../etc/passwd")
+    with pytest.raises(ToolError, match="outside the workspace"):
+        paths.resolve(ws, "/workspaces/src")
+
+
 def test_symlink_leaving_workspace_is_refused(ws, tmp_path):
     (tmp_path / "secret.txt").write_text("s")
     os.symlink(tmp_path / "secret.txt", ws / "link.txt")
