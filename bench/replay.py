@@ -14,7 +14,7 @@ the k3 KL between behaviour and training logprobs. Step 1 shows pure numerics (b
 vs fp32 training); later steps add the policy's drift away from the data.
 
 The model is a small random qwen3_moe (hidden 256, 4 layers, 16 experts top-4) with the
-tiny test tokenizer and chat template (needs the dev extras: transformers, tokenizers).
+shipped default model's tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "agent_runtime"))
+sys.path.insert(0, str(ROOT))
 
 BENCH_SHAPE = {  # small enough for a 2-core CPU, routed like a real MoE (16 experts, top-4)
-    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 640,
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
     "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
     "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4,
     "moe_intermediate_size": 128, "intermediate_size": 512, "norm_topk_prob": True,
@@ -43,15 +43,24 @@ BENCH_SHAPE = {  # small enough for a 2-core CPU, routed like a real MoE (16 exp
 
 
 def make_agent_checkpoint(path: Path, seed: int = 0) -> Path:
-    """The test tokenizer and chat template with a bigger random MoE (BENCH_SHAPE)."""
+    """The default model's tokenizer and chat template with a random MoE of BENCH_SHAPE."""
+    import shutil
+
     from agent_runtime.model import save_model
     from agent_runtime.model.config import args_from_hf
     from agent_runtime.model.model import MoEModel
-    from tiny_checkpoints import save_tiny_agent_checkpoint
+    from agent_runtime.policies import resolve_model_path
+    from learner.recipe.pretrain import TOKENIZER_FILES
 
-    save_tiny_agent_checkpoint(path, vocab=BENCH_SHAPE["vocab_size"])
+    default = resolve_model_path("default")
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default / name, path / name)
+    shipped = json.loads((default / "config.json").read_text())
+    config = {**BENCH_SHAPE, **{k: shipped[k] for k in ("vocab_size", "bos_token_id",
+                                                        "eos_token_id", "pad_token_id")}}
     torch.manual_seed(seed)
-    model = MoEModel(args_from_hf(BENCH_SHAPE), BENCH_SHAPE)
+    model = MoEModel(args_from_hf(config), config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.rand_like(p) * 0.5 + 0.75 if "norm" in name
