@@ -16,6 +16,12 @@ Python keywords, builtins, standard-library modules or part of the harness (tool
 argument names, the system prompt) are never renamed, nor are held-out domains' words used
 as replacements.
 
+Names that look alike. With `merge`, a share of the renamed sequences also gives two of the
+episode's domain words the same replacement (the package and the data file become `orders`
+and `orders.csv`): a model that copies by the last few tokens alone then writes `python -m
+orders.cli orders.cli` (the nearest `orders.c` was followed by `li`); the episode asks it to
+tell such names apart by more of their context.
+
 It does not generate episodes (`learner.recipe.sft.collect` does) or touch the stored data:
 renaming happens per batch, drawn from the batch's seed.
 """
@@ -69,8 +75,9 @@ class Renamer:
     vocabulary (so a replacement costs few tokens), minus every reserved and domain word."""
 
     def __init__(self, tokenizer, harness_text: str = "", pool=None, min_len: int = 3,
-                 max_len: int = 10):
+                 max_len: int = 10, merge: float = 0.0):
         self.tokenizer = tokenizer
+        self.merge = merge                   # share of sequences with two words made one
         reserved = _reserved(harness_text)
         self.words = sorted(domain_words() - reserved, key=lambda w: (-len(w), w))
         banned = reserved | domain_words() | domain_words(heldout=True)
@@ -116,7 +123,13 @@ class Renamer:
         already in the sequence), and the loss mask carried over."""
         runs = self.runs(ids, mask)
         avoid = {w for text, _ in runs for w in re.findall(r"[a-z]+", text.lower())}
-        return self.rename(runs, self.mapping(rng, avoid), ids.dtype, mask.dtype)
+        mapping = self.mapping(rng, avoid)
+        if self.merge and rng.random() < self.merge:
+            present = sorted({m for text, _ in runs for m in self._pattern.findall(text)})
+            if len(present) >= 2:
+                a, b = rng.sample(present, 2)
+                mapping[b] = mapping[a]
+        return self.rename(runs, mapping, ids.dtype, mask.dtype)
 
     def rename(self, runs: list[tuple[str, bool]], mapping: dict[str, str], ids_dtype=np.int64,
                mask_dtype=np.bool_) -> tuple[np.ndarray, np.ndarray]:

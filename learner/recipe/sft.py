@@ -52,6 +52,8 @@ class SFTConfig:
     max_len: int = 4096             # longer sequences are cut
     rename: float = 0.0             # share of the sequences in each batch seen with their domain
                                     # words renamed (`learner.recipe.augment`): copy, not recall
+    rename_merge: float = 0.0       # of those, the share where two of the words become one
+                                    # (names that look alike: `orders.cli orders.csv`)
     copy_share: float = 0.0         # share of the training sequences that are copy windows
                                     # (`pretrain.copy_window`, as long as the episodes)
     device: str = "auto"            # "auto": cuda when available, else cpu
@@ -266,14 +268,15 @@ def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int,
     return batch
 
 
-def _renaming(tok, seqs: list[tuple[np.ndarray, np.ndarray]], share: float) -> Transform:
+def _renaming(tok, seqs: list[tuple[np.ndarray, np.ndarray]], share: float,
+              merge: float = 0.0) -> Transform:
     """Rename a `share` of the sequences; the words of the episodes' shared system turn (the
     harness: tool and argument names) are never renamed."""
     from learner.recipe.augment import Renamer
 
     ids = seqs[0][0].tolist()
     harness = tok.decode(ids[:ids.index(tok.special_tokens["<|im_end|>"])])
-    renamer = Renamer(tok, harness)
+    renamer = Renamer(tok, harness, merge=merge)
 
     def transform(ids: np.ndarray, mask: np.ndarray, rng: random.Random):
         return renamer(ids, mask, rng) if rng.random() < share else (ids, mask)
@@ -321,7 +324,8 @@ def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
     if not seqs:
         raise ValueError(f"{data}: no SFT sequences")
     pad = tok.special_tokens["<|endoftext|>"]
-    transform = _renaming(tok, seqs, config.rename) if config.rename else None
+    transform = _renaming(tok, seqs, config.rename, config.rename_merge) if config.rename \
+        else None
     if config.copy_share:
         transform = _episodes_only(transform, tok.special_tokens["<|im_start|>"])
         seqs = seqs + copy_sequences(tok, seqs, config.copy_share, config.seed)

@@ -414,6 +414,36 @@ def test_renaming_is_consistent_lossless_and_keeps_the_harness(tok_dir, monkeypa
     assert again_ids.tolist() == ids.tolist() and again_mask.tolist() == mask.astype(bool).tolist()
 
 
+def test_merging_gives_two_of_an_episodes_words_one_name(tok_dir, monkeypatch):
+    """With merge=1 every renamed episode has two of its domain words renamed alike (names
+    that look alike: `orders.cli orders.csv`); with merge=0 they stay distinct."""
+    import re
+    from learner.recipe import sft
+    from learner.recipe.augment import Renamer
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    tok = load_tokenizer(tok_dir)
+    ids, mask = (np.asarray(a) for a in sft._collect_chunk((str(tok_dir), [2], [10**6], 0))["seqs"][0])
+    rng = random.Random(0)
+    pool = ["".join(rng.choice("bcdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
+            for _ in range(2000)]
+    harness = tok.decode(ids[:list(ids).index(tok.special_tokens["<|im_end|>"])].tolist())
+    original = tok.decode(ids.tolist())
+
+    def names_after(merge: float) -> tuple[int, int]:
+        renamer = Renamer(tok, harness, pool=pool, merge=merge)
+        present = set(renamer._pattern.findall(original))
+        new_ids, _ = renamer(ids, mask, random.Random(5))
+        renamed = tok.decode(new_ids.tolist())
+        assert not present & set(renamer._pattern.findall(renamed))
+        new_words = {w for w in re.findall(r"[a-z]+", renamed) if w in pool}
+        return len(present), len(new_words)
+
+    n, distinct = names_after(0.0)
+    assert n >= 3 and distinct >= n
+    n, merged = names_after(1.0)
+    assert merged < distinct
+
+
 def test_sft_copy_windows_are_their_share_as_long_as_episodes_and_never_renamed(tok_dir):
     tok = load_tokenizer(tok_dir)
     start = tok.special_tokens["<|im_start|>"]
