@@ -30,6 +30,13 @@ assistant message before it. A sample's reward: the most specific explicit ratin
 (a message rating over a session rating, the newest first); without one, the sum of the
 implicit signals covering it (weight x rating), clipped to [-1, 1].
 
+A model call that produced a tool call which did not parse is never rewarded by what covers
+the whole session: its reward is at most `INVALID_CALL_REWARD` (-0.5), unless the user rated
+that very message. A thumbs up on a session that reached its goal despite a malformed call
+rates the session's good calls, not the malformed one; and a policy cannot learn to dodge
+negative ratings by emitting invalid calls (the reward hack Cursor reported), since those are
+penalized whatever the session's rating.
+
 Not here: the update (`online.py`), the store's schema (`agent_runtime.store.migrations`).
 """
 
@@ -43,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_runtime import names
-from agent_runtime.agent import EDITS_FILE
+from agent_runtime.agent import EDITS_FILE, INVALID_CALL
 from agent_runtime.learning import RATED_SAMPLES_SQL, load_config, workspace_excluded
 
 PLUGIN_WEIGHT = 0.5                 # a source a plugin declares (`register_feedback_sources`)
@@ -56,6 +63,7 @@ REWARD_WEIGHTS = {
     names.PERMISSION_REJECTED: 0.5,
     names.TESTS_GREEN: 0.5,
 }
+INVALID_CALL_REWARD = -0.5          # at most this for a model call whose tool call did not parse
 
 # rules first: a follow-up that says the agent got it wrong
 DISSATISFIED = re.compile(
@@ -217,4 +225,11 @@ def sample_rewards(store: Any, sample_ids: list[int]) -> dict[int, float]:
             implicit[sid] = implicit.get(sid, 0.0) + rating * weight
     out = {sid: max(-1.0, min(1.0, r)) for sid, r in implicit.items()}
     out.update({sid: r for sid, (_, r) in explicit.items()})
+    invalid = store.db.execute(
+        f"SELECT DISTINCT sa.id FROM samples sa JOIN tool_calls c ON c.message_id = sa.message_id "
+        f"WHERE c.name = ? AND sa.id IN ({marks})", [INVALID_CALL, *sample_ids]).fetchall()
+    for (sid,) in invalid:
+        rated_itself = sid in explicit and explicit[sid][0][0]
+        if sid in out and not rated_itself:
+            out[sid] = min(out[sid], INVALID_CALL_REWARD)
     return out

@@ -10,8 +10,8 @@ from agent_runtime.agent import Agent, AgentConfig
 from agent_runtime.policies.replay import ReplayPolicy
 from agent_runtime.tools.base import ToolError
 from agent_runtime.tools.registry import default_tools
-from learner.sentiment import (DISSATISFIED, SignalConfig, derive_signals, rated_sample_ids,
-                               sample_rewards)
+from learner.sentiment import (DISSATISFIED, INVALID_CALL_REWARD, SignalConfig, derive_signals,
+                               rated_sample_ids, sample_rewards)
 
 
 def call(name, **arguments):
@@ -208,3 +208,17 @@ def test_signals_are_derived_once(store, workspace):
     run(store, workspace, [EDIT, TEST, FINISH])
     derive_signals(store, SignalConfig(edit_delay_s=0))
     assert derive_signals(store, SignalConfig(edit_delay_s=0)) == 0
+
+
+def test_a_malformed_call_is_not_rewarded_by_a_session_thumbs_up(store, workspace):
+    broken = "<tool_call>\n{\"name\": \"edit_file\", \"arguments\": {\n</tool_call>"
+    sid = run(store, workspace, [broken, EDIT, FINISH]).session_id
+    calls = [m["id"] for m in store.messages(sid) if m["role"] == "assistant"]
+    sample = {s["message_id"]: s["id"] for s in store.samples(sid)}
+    assert len(calls) == 3 and set(sample) == set(calls)
+    store.add_feedback(1, session_id=sid)
+    rewards = sample_rewards(store, list(sample.values()))
+    assert rewards == {sample[calls[0]]: INVALID_CALL_REWARD, sample[calls[1]]: 1.0,
+                       sample[calls[2]]: 1.0}
+    store.add_feedback(1, session_id=sid, message_id=calls[0])    # the user liked that very call
+    assert sample_rewards(store, [sample[calls[0]]]) == {sample[calls[0]]: 1.0}
