@@ -25,8 +25,10 @@ edits partly changed by the user say nothing.
 
 What a rating covers (the store's `feedback_targets` view): a session rating covers every
 sample (model call) of the session, summaries included; a rating of an assistant message
-covers the sample that produced it; a rating of a tool result or a user message covers the
-assistant message before it. A sample's reward: the most specific explicit rating covering it
+covers the sample that produced it; an implicit signal on a tool result or a user message (a
+dissatisfied follow-up) covers the assistant message before it. An explicit rating of a
+message is of an assistant message only: the store refuses one of a tool result or a user
+message, and names the assistant message to rate instead. A sample's reward: the most specific explicit rating covering it
 (a message rating over a session rating, the newest first); without one, the sum of the
 implicit signals covering it (weight x rating), clipped to [-1, 1].
 

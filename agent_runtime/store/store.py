@@ -167,6 +167,21 @@ class SessionStore:
             raise ValueError(f"message {message_id} belongs to session {row[0]}, "
                              f"not {session_id}")
 
+    def _require_rateable(self, message_id: int) -> None:
+        """A user rates what the model wrote: an assistant message, not a tool result or their
+        own message (the error names the assistant message before it, when there is one)."""
+        role, idx, session_id = self.db.execute(
+            "SELECT role, idx, session_id FROM messages WHERE id = ?", [message_id]).fetchone()
+        if role == "assistant":
+            return
+        before = self.db.execute(
+            "SELECT id FROM messages WHERE session_id = ? AND role = 'assistant' AND idx < ? "
+            "ORDER BY idx DESC LIMIT 1", [session_id, idx]).fetchone()
+        instead = (f"rate the assistant message #{before[0]} before it" if before else
+                   "no assistant message comes before it: rate the session")
+        raise ValueError(f"message #{message_id} is a {role} message, not what the model "
+                         f"wrote; {instead}")
+
     def _touch(self, session_id: str) -> None:
         self.db.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", [_now(), session_id])
 
@@ -292,8 +307,10 @@ class SessionStore:
                      reason: str | None = None, source: str = EXPLICIT,
                      comment: str | None = None) -> int:
         """Rate a session or one of its messages (+1/-1); returns the feedback row id. A
-        user's (`EXPLICIT`) rating replaces their earlier one of the same session or message:
-        the earlier row is kept with `replaced_by` set and no longer counts."""
+        user's (`EXPLICIT`) rating is of the session or of an assistant message (ValueError
+        for a tool result or a user message), and replaces their earlier one of the same
+        session or message: the earlier row is kept with `replaced_by` set and no longer
+        counts. Implicit sources may rate any message of the session."""
         if isinstance(rating, bool) or rating not in (1, -1):
             raise ValueError(f"rating must be +1 or -1, got {rating!r}")
         if reason is not None and reason not in FEEDBACK_REASONS:
@@ -306,6 +323,8 @@ class SessionStore:
             session_id = self._resolve(session_id)
             if message_id is not None:
                 self._require_message(session_id, message_id)
+                if source == EXPLICIT:
+                    self._require_rateable(message_id)
             row = self._insert(
                 "INSERT INTO feedback (session_id, message_id, rating, reason, source, comment, "
                 "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -144,6 +144,20 @@ def test_unknown_session_and_bad_reason_are_clean_errors(home, workspace):
     assert invoke("feedback", sid, "up", "--message", 999999).exit_code == 1
 
 
+def test_rating_a_tool_result_is_one_line_naming_the_call_to_rate(home, workspace):
+    invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}")
+    sid = latest_session(home)["id"]
+    with SessionStore(home) as store:
+        messages = store.messages(sid)
+    result = next(i for i, m in enumerate(messages) if m["role"] == "tool")
+    call = max(m["id"] for m in messages[:result] if m["role"] == "assistant")
+    out = invoke("feedback", sid, "up", "--message", messages[result]["id"])
+    assert out.exit_code == 1 and out.output.count("\n") == 1
+    assert f"rate the assistant message #{call} before it" in out.output
+    with SessionStore(home) as store:
+        assert store.feedback(sid) == []
+
+
 def test_rating_again_replaces_the_earlier_rating_and_says_so(home, workspace):
     invoke("run", "Fix it", "-w", workspace, "--policy", f"replay:{FIX}")
     sid = latest_session(home)["id"]
@@ -201,6 +215,17 @@ def test_a_missing_or_broken_model_is_one_line_and_a_non_zero_exit(home, tmp_pat
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("Error:") and why in lines[0], lines
     assert not (home / "runs").exists()           # `learn grpo` left no run folder behind
+
+
+def test_only_commands_that_take_policy_suggest_it_when_the_default_model_is_missing(
+        home, workspace, tmp_path, monkeypatch):
+    monkeypatch.setenv("APPRENTICE_DEFAULT_MODEL", str(tmp_path / "empty"))
+    run = CliRunner().invoke(main, ["run", "fix it", "-w", str(workspace)])
+    grpo = CliRunner().invoke(main, ["learn", "grpo", "--tasks", "toy"])
+    for result in (run, grpo):
+        assert result.exit_code == 1 and f"no default model at {tmp_path / 'empty'}" in \
+            " ".join(result.output.split())
+    assert "--policy replay:FILE" in run.output and "--policy" not in grpo.output
 
 
 def test_a_replay_file_with_bad_json_is_named_in_the_error(home, workspace, tmp_path):

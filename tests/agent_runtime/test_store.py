@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from agent_runtime import names
 from agent_runtime.store import FEEDBACK_REASONS, SessionStore, blobs
 from agent_runtime.store.migrations import MIGRATIONS, migrate
 
@@ -170,6 +171,30 @@ def test_feedback_rejects_bad_rating_reason_and_foreign_message(store):
         store.add_feedback(-1, session_id=other, message_id=mid, reason=reason,
                            source="edit_reverted", comment="c")
     assert [f["reason"] for f in store.feedback(other)] == list(FEEDBACK_REASONS)
+
+
+def test_an_explicit_rating_of_a_tool_result_or_user_message_names_the_call_to_rate(store):
+    sid = store.create_session("t", "w", "m")
+    opening = store.add_message(sid, 0, "user", "hello")
+    call = store.add_message(sid, 0, "assistant", "reading")
+    result = store.add_message(sid, 0, "tool", "ok", name="read_file")
+    followup = store.add_message(sid, 0, "user", "that's wrong")
+    for mid, role in ((result, "tool"), (followup, "user")):
+        with pytest.raises(ValueError, match=f"#{mid} is a {role} message.* "
+                                             f"assistant message #{call} before it"):
+            store.add_feedback(1, session_id=sid, message_id=mid)
+    with pytest.raises(ValueError, match="no assistant message comes before it"):
+        store.add_feedback(1, session_id=sid, message_id=opening)
+    assert store.feedback(sid) == []
+
+
+def test_an_implicit_signal_may_rate_a_user_message(store):
+    sid = store.create_session("t", "w", "m")
+    store.add_message(sid, 0, "assistant", "done")
+    followup = store.add_message(sid, 0, "user", "that's wrong")
+    store.add_feedback(-1, session_id=sid, message_id=followup,
+                       source=names.FOLLOWUP_DISSATISFIED)
+    assert [f["message_id"] for f in store.feedback(sid)] == [followup]
 
 
 def test_unique_prefix_resolves_and_ambiguous_prefix_is_a_clear_error(store):

@@ -63,11 +63,11 @@ def test_a_message_rating_covers_only_that_message_sample(store):
     assert rated_sample_ids(store) == [turns[1][1]]
 
 
-def test_rating_a_tool_result_covers_the_call_that_made_it(store):
+def test_a_signal_on_a_tool_result_covers_the_call_that_made_it(store):
     sid, turns = session(store)
     tool_message = store.messages(sid)[1]["id"]                  # the result of turn 0
-    store.add_feedback(-1, session_id=sid, message_id=tool_message)
-    assert sample_rewards(store, [s for _, s in turns]) == {turns[0][1]: -1.0}
+    store.add_feedback(-1, session_id=sid, message_id=tool_message, source="linter_failed")
+    assert sample_rewards(store, [s for _, s in turns]) == {turns[0][1]: -0.5}
 
 
 def test_a_message_rating_beats_the_session_rating(store):
