@@ -272,7 +272,7 @@ def sessions_list(limit: int = 20, show_all: bool = False, as_json: bool = False
     for r in rows:
         task = r["task"].splitlines()[0] if r["task"] else ""
         status = "interrupted" if r["interrupted"] else r["status"]
-        origin = "" if r["origin"] == "user" else f"[{r['origin']}] "
+        origin = "" if r["origin"] == names.ORIGIN_USER else f"[{r['origin']}] "
         click.echo(f"{r['id'][:12]}  {r['created_at'][:19]}  {status:<16} "
                    f"{r['message_count']:>4} msgs  {origin}{task[:60]}")
 
@@ -344,7 +344,7 @@ def sessions_show(session_id: str, full: bool, as_json: bool) -> None:
             click.secho(f"── segment {segment}: summary ──\n{summaries.get(segment) or ''}",
                         fg="magenta")
         _show_message(m, full)
-    if not session["learn"] or session["origin"] != "user":
+    if not session["learn"] or session["origin"] != names.ORIGIN_USER:
         why = "excluded" if not session["learn"] else f"made by {session['origin']}"
         click.echo(f"learning: never learned from ({why})")
     for f in record["feedback"]:

@@ -101,8 +101,8 @@ def derive_signals(store: Any, config: SignalConfig | None = None) -> int:
     rows = list(store.db.query(
         "SELECT s.id, s.status, s.workspace, s.updated_at, s.created_at, sc.session_id AS "
         "scanned, sc.edits_done FROM sessions s LEFT JOIN signal_scans sc ON sc.session_id = "
-        "s.id WHERE s.origin = ? AND s.status != 'running' AND (sc.session_id IS NULL OR "
-        "sc.edits_done = 0) ORDER BY s.created_at", [names.ORIGIN_USER]))
+        "s.id WHERE s.origin = ? AND s.status != ? AND (sc.session_id IS NULL OR "
+        "sc.edits_done = 0) ORDER BY s.created_at", [names.ORIGIN_USER, names.RUNNING]))
     added = 0
     for s in rows:
         found: list[dict] = [] if s["scanned"] else _turn_signals(store, s)
@@ -135,7 +135,7 @@ def _turn_signals(store: Any, session: dict) -> list[dict]:
             out.append({"rating": -1, "source": names.PERMISSION_REJECTED,
                         "message": c["message_id"], "comment": c["name"]})
     for m in store.messages(session["id"]):
-        if m["role"] == "user" and (m["meta"] or {}).get("kind") == "user" \
+        if m["role"] == "user" and (m["meta"] or {}).get("kind") == names.KIND_USER \
                 and DISSATISFIED.search(m["content"] or ""):
             out.append({"rating": -1, "source": names.FOLLOWUP_DISSATISFIED, "message": m["id"],
                         "comment": (m["content"] or "")[:200]})

@@ -17,6 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
+from agent_runtime import names
 from agent_runtime.approvals import ALWAYS, NO, YES, Request
 from tui.widgets import preview
 
@@ -181,9 +182,10 @@ class SessionsScreen(ModalScreen[str | None]):
         self.dismiss(None)
 
 
-_STATUS_STYLE: dict[str, Any] = {"finished": "green", "failed": "red", "running": "yellow",
-                                 "cancelled": "magenta", "budget_exhausted": "yellow",
-                                 "interrupted": "red"}
+_STATUS_STYLE: dict[str, Any] = {names.FINISHED: "green", names.FAILED: "red",
+                                 names.RUNNING: "yellow", names.CANCELLED: "magenta",
+                                 names.BUDGET_EXHAUSTED: "yellow",
+                                 "interrupted": "red"}       # running, its process gone
 
 
 HELP = [

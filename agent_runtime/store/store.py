@@ -203,8 +203,9 @@ class SessionStore:
             self.db.execute(
                 "INSERT INTO sessions (id, task, workspace, model, policy_version, status, "
                 "meta, pid, created_at, updated_at, origin, learn) "
-                "VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
-                [session_id, task, str(workspace), model, int(policy_version), _dumps(meta),
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [session_id, task, str(workspace), model, int(policy_version), names.RUNNING,
+                 _dumps(meta),
                  os.getpid(), now, now, origin, int(bool(learn))])
             self._ensure_segment(session_id, 0)
         return session_id
@@ -266,7 +267,7 @@ class SessionStore:
 
     def add_sample(self, session_id: str, segment: int, message_id: int | None, prompt_ids,
                    completion_ids, logprobs, routes, policy_version: int,
-                   finish_reason: str = "stop", temperature: float | None = None) -> int:
+                   finish_reason: str = names.FINISH_STOP, temperature: float | None = None) -> int:
         """Record one model call as compact blobs (see `blobs`); returns its row id.
         `temperature`: what the logprobs were recorded at (0 greedy, None unknown)."""
         prompt = blobs.encode_ids(prompt_ids)
@@ -343,8 +344,8 @@ class SessionStore:
         with self.transaction():
             cur = self.db.execute(      # "running" again (a resume): this process owns it now
                 "UPDATE sessions SET status = ?, summary = COALESCE(?, summary), updated_at = ?, "
-                "pid = CASE WHEN ? = 'running' THEN ? ELSE pid END WHERE id = ?",
-                [status, summary, _now(), status, os.getpid(), session_id])
+                "pid = CASE WHEN ? = ? THEN ? ELSE pid END WHERE id = ?",
+                [status, summary, _now(), status, names.RUNNING, os.getpid(), session_id])
             if cur.rowcount == 0:
                 raise KeyError(f"no session with id {session_id!r}")
 
