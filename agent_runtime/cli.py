@@ -119,7 +119,8 @@ def _make_agent(store: Any, workspace: Path, model: str, policy_spec: str | None
     try:
         policy = load_policy(policy_spec or model)
     except (OSError, ValueError) as exc:
-        raise click.ClickException(f"cannot load policy {policy_spec or model!r}: {exc}")
+        hint = "" if policy_spec else " (or --policy replay:FILE to replay a script)"
+        raise click.ClickException(f"cannot load policy {policy_spec or model!r}: {exc}{hint}")
     if context_window:
         policy.context_window = context_window
     if connect:

@@ -180,10 +180,16 @@ def _compare(specs: str, recipe_dir: Path | None, config: EvalConfig, verbose: b
         raise click.BadParameter(f"name two or more different models, e.g. sft,default (got "
                                  f"{specs!r})", param_hint="--compare")
     recipe_dir = recipe_dir or Path(default_home()) / "recipes" / "default"
+    from agent_runtime.policies import check_policy
     try:
         models = {name: resolve_model(name, recipe_dir) for name in names}
     except FileNotFoundError as exc:
         raise click.BadParameter(str(exc), param_hint="--compare")
+    for name, path in models.items():                # a broken checkpoint: one line, first
+        try:
+            check_policy(str(path))
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"cannot load {name!r}: {exc}")
     results = {}
     for name, path in models.items():
         click.echo(f"evaluating {name} ({path}) on {config.n} tasks ...", err=True)
@@ -207,7 +213,8 @@ def _run_dir(run_dir: Path | None) -> Path:
               help="Starting checkpoint: a model directory, or 'default' for the bundled one.")
 @click.option("--tasks", "family", type=click.Choice(["sim", "toy"]), default="sim",
               show_default=True, help="Task family: simulated coding tasks, or 'toy' (one model "
-                                      "call, reward = share of even token ids; a smoke test).")
+                                      "call, reward = share of tokens starting with a-m; a "
+                                      "smoke test).")
 @click.option("--group", type=click.IntRange(2), default=_ROLLOUT.group_size, show_default=True,
               help="Episodes per task (G); advantages are relative to the group.")
 @click.option("--steps", type=click.IntRange(1), default=_PIPELINE.steps, show_default=True,

@@ -217,6 +217,17 @@ def test_a_missing_or_broken_model_is_one_line_and_a_non_zero_exit(home, tmp_pat
     assert not (home / "runs").exists()           # `learn grpo` left no run folder behind
 
 
+def test_only_commands_that_take_policy_suggest_it_when_the_default_model_is_missing(
+        home, workspace, tmp_path, monkeypatch):
+    monkeypatch.setenv("APPRENTICE_DEFAULT_MODEL", str(tmp_path / "empty"))
+    run = CliRunner().invoke(main, ["run", "fix it", "-w", str(workspace)])
+    grpo = CliRunner().invoke(main, ["learn", "grpo", "--tasks", "toy"])
+    for result in (run, grpo):
+        assert result.exit_code == 1 and f"no default model at {tmp_path / 'empty'}" in \
+            " ".join(result.output.split())
+    assert "--policy replay:FILE" in run.output and "--policy" not in grpo.output
+
+
 def test_a_replay_file_with_bad_json_is_named_in_the_error(home, workspace, tmp_path):
     bad = tmp_path / "script.json"
     bad.write_text('[{"content": "x"')

@@ -141,3 +141,15 @@ def test_the_recipe_command_ends_with_the_same_table(home, tmp_path):
     assert out.exit_code == 0, out.output
     assert format_comparison({"sft": sft, "grpo": grpo}) in out.output
     assert "grpo − sft: +50.0 points" in out.output
+
+
+def test_a_broken_checkpoint_is_one_line_before_any_model_runs(home, recipe, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    out = CliRunner().invoke(main, ["eval", "--compare", f"sft,{broken}", "--recipe",
+                                    str(recipe[0]), *map(str, FAST)])
+    lines = [line for line in out.output.splitlines() if line.strip()]
+    assert out.exit_code == 1, out.output
+    assert len(lines) == 1 and lines[0].startswith("Error: cannot load") and "not valid JSON" \
+        in lines[0], lines
