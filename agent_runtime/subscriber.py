@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from agent_runtime import delta
+from agent_runtime.policies.base import has_weights
 from agent_runtime.policies.following import FollowingPolicy
 
 log = logging.getLogger(__name__)
@@ -314,7 +315,7 @@ def follow(policy: Any, url: str, token: str, store: Any = None) -> tuple[Any, "
     """(policy, subscriber): follow the version server at `url` when the policy has weights
     to swap (an engine policy; a replay script has none: returned as is, subscriber None).
     Each applied version is recorded in `store` when one is given."""
-    if not hasattr(policy, "swap_state") or not hasattr(policy, "model"):
+    if not has_weights(policy):
         return policy, None
     subscriber = Subscriber(policy.model, url, token).start()
 

@@ -1,6 +1,7 @@
 """Policies: what the agent loop asks for the next assistant message.
 
-- `base`: the `Policy` protocol, `Completion`, the optional batching capability, checkpoints;
+- `base`: the `Policy` protocol, `Completion`, the optional capabilities (`batches`,
+  `has_weights`), checkpoints;
 - `loading`: `load_policy(spec)` and `check_policy(spec)`;
 - `engine`: `EnginePolicy`, our MoE engine behind the protocol;
 - `replay`: `ReplayPolicy`, the scripted policy of tests and demos;
@@ -16,7 +17,8 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "Completion": "base", "Policy": "base", "batches": "base", "resolve_model_path": "base",
+    "Completion": "base", "Policy": "base", "batches": "base", "has_weights": "base",
+    "resolve_model_path": "base",
     "DEFAULT_MODEL_DIR": "base",
     "load_policy": "loading", "check_policy": "loading",
     "EnginePolicy": "engine", "EngineConfig": "engine",

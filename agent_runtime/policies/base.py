@@ -1,6 +1,7 @@
 """What every policy is: the `Policy` protocol the agent loop depends on, the `Completion` a
-model call returns, the one optional capability (`complete_many`: decoding several calls as
-one batch) and where checkpoints are found.
+model call returns, the two optional capabilities (`complete_many`: decoding several calls as
+one batch; `swap_state`: weights that a newer version can replace) and where checkpoints are
+found.
 
 This module imports nothing from the project, so every other module of the package (and
 `agent_runtime.context`) can import it: the policies' imports run one way, from
@@ -58,8 +59,8 @@ def resolve_model_path(spec: str) -> Path:
         path = Path(os.environ.get("APPRENTICE_DEFAULT_MODEL", DEFAULT_MODEL_DIR))
         if not (path / "config.json").exists():
             raise FileNotFoundError(
-                f"no default model at {path}: this build ships none yet. Pass --model PATH (an HF "
-                "MoE checkpoint directory) or --policy replay:FILE")
+                f"no default model at {path} (no config.json): reinstall apprentice, set "
+                "$APPRENTICE_DEFAULT_MODEL, or pass --model PATH (an HF MoE checkpoint directory)")
         return path
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
@@ -74,3 +75,12 @@ def batches(policy: Any) -> bool:
     should_stop=None) -> list[Completion]`, with per-row lists for tools, on_text and
     should_stop."""
     return callable(getattr(policy, "complete_many", None))
+
+
+def has_weights(policy: Any) -> bool:
+    """Whether `policy` has weights a newer version can replace in place, the other optional
+    capability of the `Policy` protocol (the engine has it; a replay script does not): a
+    `model` attribute (the torch module) and `swap_state(update, version)`, which applies
+    `update(state_dict)` between two model calls and sets `version`."""
+    return (callable(getattr(policy, "swap_state", None))
+            and getattr(policy, "model", None) is not None)

@@ -4,7 +4,7 @@ every model call (`complete`, and `complete_many` where the wrapped policy batch
 import ast
 from pathlib import Path
 
-from agent_runtime.policies.base import batches
+from agent_runtime.policies.base import batches, has_weights
 from agent_runtime.policies.following import FollowingPolicy
 
 ROOT = Path(__file__).resolve().parents[2] / "agent_runtime"
@@ -76,3 +76,18 @@ def test_catch_up_runs_before_every_model_call():
 def test_a_policy_that_does_not_batch_is_not_made_to_look_like_one():
     following = FollowingPolicy(Counting(), lambda p: None)
     assert not batches(following) and not hasattr(following, "complete_many")
+
+
+def test_only_a_policy_with_weights_is_made_to_follow_a_version_server():
+    from agent_runtime.policies.replay import ReplayPolicy
+    from agent_runtime.subscriber import follow
+
+    class Swappable(Counting):
+        model = object()
+
+        def swap_state(self, update, version):
+            self.version = version
+
+    replay = ReplayPolicy(["x"])
+    assert has_weights(Swappable()) and not has_weights(Counting()) and not has_weights(replay)
+    assert follow(replay, "http://127.0.0.1:9", "t") == (replay, None)
