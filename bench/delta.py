@@ -6,8 +6,8 @@ trains on groups it samples itself: each step, the newest published weights (bf1
 engine) sample G completions at temperature 1 for train-split task prompts
 (`learner.tasks.generate`) rendered by the chat template, recording logprobs and routes.
 Real grading would tie every group of a small or random model (every episode fails, so no
-gradient), so the reward is the learner's own toy reward: the share of even token ids in
-the completion (`learner.toy.toy_reward`, deterministic on the text). After `--warmup`
+gradient), so the reward is the learner's own toy reward: the share of the completion's
+tokens starting with a letter a-m (`learner.toy.toy_reward`). After `--warmup`
 steps (Adam's moments filled), the published states before and after each of the next
 `--updates` steps are delta-encoded. Masters are `settle`d by default (each fp32 master at a
 random offset within its bf16 rounding cell, as after a long run; `--start checkpoint`: on
@@ -199,11 +199,12 @@ def rollout_group(policy, prompt: str, group_size: int, new_tokens: int,
                   loss: LossConfig) -> tuple[list[TrainSample], list[float]]:
     """G completions of one prompt sampled by `policy` (logprobs and routes recorded), scored
     with the learner's toy reward; the learner's group advantages -> training samples."""
-    from learner.toy import toy_reward
+    from learner.toy import token_pieces, toy_reward
 
     ids = policy.render([{"role": "user", "content": prompt}])
     gens = policy.generate([ids] * group_size, new_tokens)
-    rewards = [toy_reward(g.tokens, policy.stop_token_ids) for g in gens]
+    rewards = [toy_reward(token_pieces(policy.tokenizer, g.tokens, policy.stop_token_ids))
+               for g in gens]
     group = Group(prompt[:40], [Episode(str(i), r) for i, r in enumerate(rewards)],
                   [[{"prompt_ids": ids, "completion_ids": g.tokens, "logprobs": g.logprobs,
                      "routes": g.routes.numpy() if g.routes is not None else None,
@@ -308,7 +309,8 @@ def main() -> None:
               f"masters {args.start}; {args.warmup} warm-up steps, then {args.updates} measured per lr; each step "
               f"{args.groups} groups x G={args.group_size} completions of {args.new_tokens} "
               f"tokens sampled at temperature 1 from the current version, routes replayed; "
-              f"reward: the learner's toy reward (share of even token ids)", flush=True)
+              f"reward: the learner's toy reward (share of tokens starting with a-m)",
+              flush=True)
         updates = (u for i, lr in enumerate(args.lr)
                    for u in real_updates(path, lr, args, Path(tmp.name) / f"run-{i}"))
     rows = []

@@ -1,15 +1,15 @@
-"""The toy task family: one model call, any answer, reward = share of even token ids among
-the completion's text tokens. Trivially learnable by a tiny random model in a few GRPO steps,
-for tests and benchmarks of the pipeline (`apprentice learn grpo --tasks toy`). The reward is
-a property of the ids; it is stable because test checkpoints train their tokenizer on a fixed
-corpus (`tests/agent_runtime/tiny_checkpoints.py`).
+"""The toy task family: one model call, any answer, reward = share of the completion's tokens
+whose text starts with a letter of the first half of the alphabet (a-m, after any spaces).
+Trivially learnable by a tiny random model in a few GRPO steps, for tests and benchmarks of
+the pipeline (`apprentice learn grpo --tasks toy`). The reward is a property of the pieces of
+text the model chose, not of how a tokenizer happens to number them.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from agent_runtime import names
 from agent_runtime.names import ORIGIN_ROLLOUT
@@ -20,7 +20,7 @@ from learner.grpo import Episode, Group
 
 @dataclass
 class ToyTask:
-    """One-call task: any answer; reward = share of even token ids among its text tokens."""
+    """One-call task: any answer; reward = `toy_reward` of its tokens' text."""
     id: str
     prompt: str
 
@@ -32,9 +32,17 @@ def toy_tasks(n: int, seed: int = 0) -> list[ToyTask]:
             for i in range(n)]
 
 
-def toy_reward(completion_ids: Sequence[int], stop_ids: Sequence[int]) -> float:
-    text = [t for t in completion_ids if t not in set(stop_ids)]
-    return sum(t % 2 == 0 for t in text) / len(text) if text else 0.0
+def toy_reward(pieces: list[str]) -> float:
+    """Share of `pieces` (the completion's tokens as text) that start with a letter a-m, any
+    case, after leading spaces; 0 for no pieces."""
+    heads = [p.lstrip()[:1].lower() for p in pieces]
+    return sum("a" <= h <= "m" for h in heads) / len(heads) if heads else 0.0
+
+
+def token_pieces(tokenizer: Any, completion_ids: list[int], stop_ids: list[int]) -> list[str]:
+    """The completion's tokens as text, its stop tokens left out."""
+    stop = set(stop_ids)
+    return [tokenizer.decode([t]) for t in completion_ids if t not in stop]
 
 
 def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
@@ -57,7 +65,8 @@ def run_toy_group(policy: Any, task: ToyTask, store: Any, config: RolloutConfig,
             mid = store.add_message(sid, 0, "assistant", c.text)
             store.add_sample(sid, 0, mid, c.prompt_ids, c.completion_ids, c.logprobs, c.routes,
                              c.version, c.finish_reason, c.temperature)
-            reward = toy_reward(c.completion_ids, policy.stop_token_ids)
+            reward = toy_reward(token_pieces(policy.tokenizer, c.completion_ids,
+                                             policy.stop_token_ids))
             store.set_status(sid, names.FINISHED, summary=f"reward {reward:.3f}")
             episodes.append(Episode(sid, reward, passed=reward > 0.5))
     samples = [store.samples(e.session_id) for e in episodes]

@@ -146,9 +146,16 @@ def test_a_time_limit_stops_the_run(ckpt, tmp_path):
     assert pipe.trainer.step_count <= 1 and stats.episodes_trained <= 2 * 4   # one step at most
 
 
-def test_toy_reward_ignores_stop_tokens():
-    assert toy.toy_reward([2, 4, 5, 7], stop_ids=[7]) == pytest.approx(2 / 3)
-    assert toy.toy_reward([7], stop_ids=[7]) == 0.0
+def test_toy_reward_is_the_share_of_tokens_starting_with_a_to_m():
+    assert toy.toy_reward([" Alpha", "m", " zeta", "!"]) == pytest.approx(2 / 4)
+    assert toy.toy_reward(["1", "   "]) == 0.0 and toy.toy_reward([]) == 0.0
+
+
+def test_toy_pieces_are_the_tokens_text_without_stop_tokens():
+    class Chars:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+    assert toy.token_pieces(Chars(), [97, 122, 0], stop_ids=[0]) == ["a", "z"]
 
 
 def test_weights_are_never_labelled_with_another_version():
