@@ -28,9 +28,10 @@ sample (model call) of the session, summaries included; a rating of an assistant
 covers the sample that produced it; an implicit signal on a tool result or a user message (a
 dissatisfied follow-up) covers the assistant message before it. An explicit rating of a
 message is of an assistant message only: the store refuses one of a tool result or a user
-message, and names the assistant message to rate instead. A sample's reward: the most specific explicit rating covering it
-(a message rating over a session rating, the newest first); without one, the sum of the
-implicit signals covering it (weight x rating), clipped to [-1, 1].
+message, and names the assistant message to rate instead. A sample's reward: the most
+specific explicit rating covering it (a message rating over a session rating, the newest
+first); without one, the sum of the implicit signals covering it (weight x rating), clipped
+to [-1, 1].
 
 A model call that produced a tool call which did not parse is never rewarded by what covers
 the whole session: its reward is at most `INVALID_CALL_REWARD` (-0.5), unless the user rated
