@@ -199,9 +199,7 @@ class OnlineLearner:
                          reason=result.gate["reason"])
             result.status = names.CYCLE_REJECTED
             return result
-        with self.store.transaction():
-            self.store.db.execute("UPDATE learner_cycles SET status = ?, candidate_sha256 = ? "
-                                  "WHERE id = ?", [names.CYCLE_PUBLISHING, sha, cycle_id])
+        self.store.set_cycle_publishing(cycle_id, sha)
         version = self.versions.publish(candidate)
         _hold(self.dir, "publishing")
         result.version, result.status = version, names.CYCLE_PUBLISHED
@@ -285,29 +283,19 @@ class OnlineLearner:
 
     def _start(self, ids: list[int]) -> int:
         latest = self.versions.latest()
-        with self.store.transaction():
-            return self.store.db.execute(
-                "INSERT INTO learner_cycles (status, pid, base_version, sample_ids, started_at) "
-                "VALUES (?, ?, ?, ?, ?)", [names.CYCLE_RUNNING, os.getpid(),
-                                           latest.version if latest else None, json.dumps(ids),
-                                           _now()]).lastrowid
+        return self.store.add_cycle(ids, latest.version if latest else None)
 
     def _finish(self, cycle_id: int, status: str, consumed: list[tuple[int, float]],
                 gate: dict, result: CycleResult | None = None, version: int | None = None,
                 reason: str | None = None) -> None:
-        """Mark the cycle finished and its samples consumed, in one transaction."""
+        """Mark the cycle finished, its samples consumed and its version recorded, in one
+        transaction."""
         with self.store.transaction():
-            self.store.db.conn.executemany(
-                "INSERT OR IGNORE INTO trained_samples (sample_id, cycle_id, reward) "
-                "VALUES (?, ?, ?)", [(i, cycle_id, r) for i, r in consumed])
-            self.store.db.execute(
-                "UPDATE learner_cycles SET status = ?, version = ?, samples = ?, liked = ?, "
-                "disliked = ?, gate = ?, logprob_shift = ?, reason = ?, finished_at = ? "
-                "WHERE id = ?",
-                [status, version, result.samples if result else 0,
-                 result.liked if result else 0, result.disliked if result else 0,
-                 json.dumps(gate), json.dumps(result.logprob_shift) if result else None,
-                 reason, _now(), cycle_id])
+            self.store.finish_cycle(
+                cycle_id, status, consumed, gate=gate, version=version, reason=reason,
+                samples=result.samples if result else 0, liked=result.liked if result else 0,
+                disliked=result.disliked if result else 0,
+                logprob_shift=result.logprob_shift if result else None)
             if version is not None:
                 self._record_version(version, self.versions.info(version).sha256,
                                      "learner:online", {"cycle": cycle_id})
@@ -330,11 +318,8 @@ class OnlineLearner:
             if row["status"] == names.CYCLE_PUBLISHING and row["candidate_sha256"]:
                 version = self.versions.find(row["candidate_sha256"])
             if version is None:
-                with self.store.transaction():
-                    self.store.db.execute(
-                        "UPDATE learner_cycles SET status = ?, reason = ?, finished_at = ? "
-                        "WHERE id = ?", [names.CYCLE_INTERRUPTED, "the learner stopped mid-cycle; "
-                                         "its samples wait for the next one", _now(), row["id"]])
+                self.store.interrupt_cycle(row["id"], "the learner stopped mid-cycle; its "
+                                           "samples wait for the next one")
                 continue
             ids = json.loads(row["sample_ids"] or "[]")
             rewards = sample_rewards(self.store, ids)
@@ -360,11 +345,6 @@ class OnlineLearner:
 @dataclass
 class _Sample(TrainSample):
     advantage_reward: float = 0.0    # the sample's reward (the advantage is minus the baseline)
-
-
-def _now() -> str:
-    import datetime as _dt
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _hold(state_dir: Path, phase: str) -> None:

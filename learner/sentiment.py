@@ -116,9 +116,7 @@ def derive_signals(store: Any, config: SignalConfig | None = None) -> int:
             for f in found:
                 store.add_feedback(f["rating"], session_id=s["id"], message_id=f.get("message"),
                                    source=f["source"], comment=f.get("comment"))
-            store.db.execute(
-                "INSERT OR REPLACE INTO signal_scans (session_id, edits_done, scanned_at) "
-                "VALUES (?, ?, ?)", [s["id"], int(edits != "pending"), _now().isoformat()])
+            store.record_scan(s["id"], edits_done=edits != "pending")
         added += len(found)
     return added
 

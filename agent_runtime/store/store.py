@@ -1,4 +1,5 @@
-"""The session store: every session, message, tool call, model sample and rating, in SQLite.
+"""The session store: every session, message, tool call, model sample and rating, in SQLite
+(and the learner's record of its cycles).
 
 State lives under `$APPRENTICE_HOME` (default `~/.apprentice`): `apprentice.db` and one folder
 per session (`sessions/<id>/`). The database runs in WAL mode with a 30 s busy timeout and
@@ -364,6 +365,49 @@ class SessionStore:
             self.db.execute("INSERT INTO policy_versions (version, sha256, source, meta, "
                             "created_at) VALUES (?, ?, ?, ?, ?)",
                             [int(version), sha256, source, _dumps(meta), _now()])
+
+    # the learner's records: its cycles, the samples they consumed, the sessions it scanned
+
+    def add_cycle(self, sample_ids: list[int], base_version: int | None) -> int:
+        """Start a learning cycle ("running", this process) over these samples; returns its id."""
+        with self.transaction():
+            return self._insert(
+                "INSERT INTO learner_cycles (status, pid, base_version, sample_ids, started_at) "
+                "VALUES (?, ?, ?, ?, ?)", [names.CYCLE_RUNNING, os.getpid(), base_version,
+                                           json.dumps(sample_ids), _now()])
+
+    def set_cycle_publishing(self, cycle_id: int, candidate_sha256: str) -> None:
+        """Mark a cycle "publishing" its candidate (state hash), before the version store does."""
+        with self.transaction():
+            self.db.execute("UPDATE learner_cycles SET status = ?, candidate_sha256 = ? "
+                            "WHERE id = ?", [names.CYCLE_PUBLISHING, candidate_sha256, cycle_id])
+
+    def finish_cycle(self, cycle_id: int, status: str, consumed: list[tuple[int, float]], *,
+                     gate: dict, samples: int = 0, liked: int = 0, disliked: int = 0,
+                     logprob_shift: dict | None = None, version: int | None = None,
+                     reason: str | None = None) -> None:
+        """End a cycle and mark its `(sample_id, reward)` pairs consumed, in one transaction."""
+        with self.transaction():
+            self.db.conn.executemany(
+                "INSERT OR IGNORE INTO trained_samples (sample_id, cycle_id, reward) "
+                "VALUES (?, ?, ?)", [(i, cycle_id, r) for i, r in consumed])
+            self.db.execute(
+                "UPDATE learner_cycles SET status = ?, version = ?, samples = ?, liked = ?, "
+                "disliked = ?, gate = ?, logprob_shift = ?, reason = ?, finished_at = ? "
+                "WHERE id = ?", [status, version, samples, liked, disliked, _dumps(gate),
+                                 _dumps(logprob_shift), reason, _now(), cycle_id])
+
+    def interrupt_cycle(self, cycle_id: int, reason: str) -> None:
+        """End a cycle a killed learner left "interrupted", consuming none of its samples."""
+        with self.transaction():
+            self.db.execute("UPDATE learner_cycles SET status = ?, reason = ?, finished_at = ? "
+                            "WHERE id = ?", [names.CYCLE_INTERRUPTED, reason, _now(), cycle_id])
+
+    def record_scan(self, session_id: str, edits_done: bool) -> None:
+        """Note that a session's implicit signals were derived (its edits too: `edits_done`)."""
+        with self.transaction():
+            self.db.execute("INSERT OR REPLACE INTO signal_scans (session_id, edits_done, "
+                            "scanned_at) VALUES (?, ?, ?)", [session_id, int(edits_done), _now()])
 
     def delete_session(self, session_id: str) -> None:
         """Delete a session, everything recorded for it, and its folder."""

@@ -114,3 +114,31 @@ def test_a_second_rating_of_the_same_target_replaces_the_first(store):
     assert rows[signal]["replaced_by"] is None                 # signals are not the user's toggle
     counted = store.db.execute("SELECT feedback_id FROM feedback_targets ORDER BY feedback_id")
     assert [r[0] for r in counted] == [on_message, signal, down]
+
+
+def _rated_sample(store):
+    sid = store.create_session("t", "w", "m")
+    mid = store.add_message(sid, 0, "assistant", "done")
+    return store.add_sample(sid, 0, mid, [1], [2], [-1.0], None, 1)
+
+
+def test_finishing_a_cycle_records_it_and_consumes_its_samples(store):
+    sample = _rated_sample(store)
+    cycle = store.add_cycle([sample], base_version=1)
+    store.finish_cycle(cycle, names.CYCLE_REJECTED, [(sample, 1.0)], gate={"passed": False},
+                       samples=1, liked=1, reason="worse")
+    row = store.query("SELECT status, samples, liked, gate, reason FROM learner_cycles")[0]
+    assert row == {"status": names.CYCLE_REJECTED, "samples": 1, "liked": 1,
+                   "gate": '{"passed": false}', "reason": "worse"}
+    assert store.query("SELECT sample_id, cycle_id FROM trained_samples") == \
+        [{"sample_id": sample, "cycle_id": cycle}]
+
+
+def test_a_cycle_finished_in_a_rolled_back_transaction_consumes_nothing(store):
+    sample = _rated_sample(store)
+    cycle = store.add_cycle([sample], base_version=1)
+    with pytest.raises(RuntimeError), store.transaction():
+        store.finish_cycle(cycle, names.CYCLE_PUBLISHED, [(sample, 1.0)], gate={}, version=2)
+        raise RuntimeError("killed before the version was recorded")
+    assert store.query("SELECT status FROM learner_cycles") == [{"status": names.CYCLE_RUNNING}]
+    assert store.query("SELECT * FROM trained_samples") == []
