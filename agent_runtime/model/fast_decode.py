@@ -42,8 +42,11 @@ def extension() -> Any:
             try:
                 from torch.utils.cpp_extension import load
                 log.info("building the C++ decode step (once per machine)")
-                _ext = load(name="apprentice_decode", sources=[str(SOURCE)],
-                            extra_cflags=["-O3"], verbose=False)
+                # -march=native: the few-row matmul kernel vectorizes for this CPU; the name
+                # keeps builds for different CPU capabilities apart in a shared cache folder
+                cap = torch.backends.cpu.get_cpu_capability().lower()
+                _ext = load(name=f"apprentice_decode_{cap}", sources=[str(SOURCE)],
+                            extra_cflags=["-O3", "-march=native"], verbose=False)
             except Exception as e:          # no compiler or ninja: the Python path serves
                 _failed = f"{type(e).__name__}: {e}"
                 log.warning("C++ decode step unavailable, decoding in Python: %s", _failed)

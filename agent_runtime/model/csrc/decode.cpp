@@ -1,15 +1,122 @@
 // One decode step of `MoEModel` (one new token per row, KV cache in place) as a single C++
-// call. It issues the same ATen operations, in the same order and with the same arguments, as
+// call. It issues the same operations, in the same order and with the same arguments, as
 // `MoEModel.forward` does for a one-token step, so its logits and routes are bitwise those of
 // the Python path; what it removes is the interpreter between ~70 small operations per layer.
-// Supported: every layer MoE, softmax-then-top-k routing, q/k norm per head or none, no
-// shared expert, no multipliers (see `fast_decode.supported`).
+// Its bf16 matmuls of at most 8 rows run in `rows_linear` below, which `model.linear` calls
+// for them too. Supported: every layer MoE, softmax-then-top-k routing, q/k norm per head or
+// none, no shared expert, no multipliers (see `fast_decode.supported`).
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+// ---- few-row bf16 matmul: y [M, N] = x [M, K] @ w [N, K]^T (+ b), M <= kRows -------------
+// Each output is a dot product accumulated in fp32 over 16 lanes (k % 16) with fused multiply-
+// adds in increasing k, the lanes summed by a fixed tree and rounded once to bf16 (round to
+// nearest even). Its bits depend only on x's row and w's row: not on M, N, the thread count or
+// the split of N between threads, so the Python path (`model.linear`) and this step, calling
+// it alike, agree bitwise, and a row decodes to the same bits alone or in a batch. The weights
+// are read once for all rows (oneDNN, which `at::mm` uses for bf16 here, costs ~10 us of
+// setup per call, more than a 256x256 matrix takes to read).
+
+constexpr int64_t kRows = 8;
+constexpr int kLanes = 16;
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float lane_sum(const float* a) {
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Rows n of w (NB at a time, for independent accumulators) against the M rows of x.
+template <int M, int NB>
+inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
+                     at::BFloat16* y, int64_t N) {
+  float acc[NB][M][kLanes] = {};
+  const int64_t body = K / kLanes * kLanes;
+  for (int64_t k = 0; k < body; k += kLanes) {
+    for (int j = 0; j < NB; ++j) {
+      float wf[kLanes];
+      const uint16_t* wr = w + (n + j) * K + k;
+      for (int l = 0; l < kLanes; ++l) wf[l] = bf16_to_float(wr[l]);
+      for (int m = 0; m < M; ++m)
+        for (int l = 0; l < kLanes; ++l)
+          acc[j][m][l] = std::fma(x[m * K + k + l], wf[l], acc[j][m][l]);
+    }
+  }
+  for (int64_t k = body; k < K; ++k)         // K not a multiple of 16: lane k % 16
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m)
+        acc[j][m][k - body] = std::fma(x[m * K + k], bf16_to_float(w[(n + j) * K + k]),
+                                       acc[j][m][k - body]);
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) {
+      float s = lane_sum(acc[j][m]);
+      if (bias) s += bias[n + j];
+      y[m * N + n + j] = at::BFloat16(s);
+    }
+}
+
+template <int M>
+void rows_kernel(const float* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
+                 at::BFloat16* y) {
+  constexpr int NB = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  const int64_t grain = std::max<int64_t>(NB, (int64_t{1} << 17) / K / NB * NB);  // 128k weights
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + NB <= end; n += NB) dot_rows<M, NB>(x, w, K, n, bias, y, N);
+    for (; n < end; ++n) dot_rows<M, 1>(x, w, K, n, bias, y, N);
+  });
+}
+
+}  // namespace
+
+// x [..., K] and w [N, K] bf16 with at most kRows rows in x; b [N] or None.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  RECORD_FUNCTION("apprentice::rows_linear", std::vector<c10::IValue>({x, w}));
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && w.dim() == 2);
+  const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
+  TORCH_CHECK(x.size(-1) == K && M >= 1 && M <= kRows, "rows_linear: at most 8 rows of width ", K);
+  auto xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  auto wc = w.contiguous();
+  at::Tensor bf;
+  if (b.has_value() && b->defined()) bf = b->to(at::kFloat).contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  switch (M) {
+    case 1: rows_kernel<1>(xp, wp, N, K, bp, yp); break;
+    case 2: rows_kernel<2>(xp, wp, N, K, bp, yp); break;
+    case 3: rows_kernel<3>(xp, wp, N, K, bp, yp); break;
+    case 4: rows_kernel<4>(xp, wp, N, K, bp, yp); break;
+    case 5: rows_kernel<5>(xp, wp, N, K, bp, yp); break;
+    case 6: rows_kernel<6>(xp, wp, N, K, bp, yp); break;
+    case 7: rows_kernel<7>(xp, wp, N, K, bp, yp); break;
+    default: rows_kernel<8>(xp, wp, N, K, bp, yp); break;
+  }
+  return y;
+}
+
+namespace {
+
 
 struct Shape {
   int64_t heads, kv_heads, head_dim, top_k;
@@ -20,6 +127,9 @@ struct Shape {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                   const Shape& s) {
   bool half = w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
+  if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
+      x.numel() <= kRows * x.size(-1))
+    return rows_linear(x, w, b);
   if (s.upcast && half && x.numel() >= 5 * x.size(-1)) {
     auto bias = b.has_value() ? c10::optional<at::Tensor>(b->to(at::kFloat)) : c10::nullopt;
     return at::linear(x.to(at::kFloat), w.to(at::kFloat), bias).to(x.scalar_type());
@@ -162,4 +272,5 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "one decode step of MoEModel");
+  m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
 }
