@@ -377,13 +377,10 @@ def test_head_on_the_mask_gives_the_logits_of_those_positions(tok_dir):
     assert torch.allclose(model(ids, logits_at=at).logits, full[at], atol=1e-6)
 
 
-def test_renaming_is_consistent_lossless_and_keeps_the_harness(tok_dir, monkeypatch):
-    """A real oracle episode renamed and renamed back is the same tokens; the domain's words
-    are gone from every part of it, the harness and Python's own names are untouched, and the
-    trained tokens are the renamed completions."""
-    import re
+def renaming_setup(tok_dir, monkeypatch):
+    """A real oracle episode (ids, mask), its tokenizer and harness text, and a pool of
+    made-up words to rename into."""
     from learner.recipe import sft
-    from learner.recipe.augment import Renamer
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
     tok = load_tokenizer(tok_dir)
     ids, mask = (np.asarray(a) for a in sft._collect_chunk((str(tok_dir), [2], [10**6], 0))["seqs"][0])
@@ -391,6 +388,16 @@ def test_renaming_is_consistent_lossless_and_keeps_the_harness(tok_dir, monkeypa
     pool = ["".join(rng.choice("bcdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
             for _ in range(2000)]
     harness = tok.decode(ids[:list(ids).index(tok.special_tokens["<|im_end|>"])].tolist())
+    return tok, ids, mask, pool, harness
+
+
+def test_renaming_is_consistent_lossless_and_keeps_the_harness(tok_dir, monkeypatch):
+    """A real oracle episode renamed and renamed back is the same tokens; the domain's words
+    are gone from every part of it, the harness and Python's own names are untouched, and the
+    trained tokens are the renamed completions."""
+    import re
+    from learner.recipe.augment import Renamer
+    tok, ids, mask, pool, harness = renaming_setup(tok_dir, monkeypatch)
     renamer = Renamer(tok, harness, pool=pool)
     runs = renamer.runs(ids, mask)
     original = "".join(text for text, _ in runs)
@@ -418,15 +425,8 @@ def test_merging_gives_two_of_an_episodes_words_one_name(tok_dir, monkeypatch):
     """With merge=1 every renamed episode has two of its domain words renamed alike (names
     that look alike: `orders.cli orders.csv`); with merge=0 they stay distinct."""
     import re
-    from learner.recipe import sft
     from learner.recipe.augment import Renamer
-    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
-    tok = load_tokenizer(tok_dir)
-    ids, mask = (np.asarray(a) for a in sft._collect_chunk((str(tok_dir), [2], [10**6], 0))["seqs"][0])
-    rng = random.Random(0)
-    pool = ["".join(rng.choice("bcdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
-            for _ in range(2000)]
-    harness = tok.decode(ids[:list(ids).index(tok.special_tokens["<|im_end|>"])].tolist())
+    tok, ids, mask, pool, harness = renaming_setup(tok_dir, monkeypatch)
     original = tok.decode(ids.tolist())
 
     def names_after(merge: float) -> tuple[int, int]:
