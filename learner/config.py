@@ -1,9 +1,10 @@
 """Configuration of the GRPO learner: one dataclass per component, every field documented.
 
 `LossConfig` (the GRPO objective), `OptimConfig` (AdamW), `TrainerConfig` (training forward,
-publishing, checkpoints), `RolloutConfig` (how episodes are generated) and `PipelineConfig`
-(scheduling of rollouts against training). `RunConfig` only groups them for one run. Nothing
-here runs anything; defaults follow the issue (G = 8, eps 0.2 / 0.28, staleness 2, replay on).
+publishing, checkpoints), `RolloutConfig` (how episodes are generated), `PipelineConfig`
+(scheduling of rollouts against training) and `RayConfig` (rollout actors on Ray).
+`RunConfig` only groups them for one run. Nothing here runs anything; defaults follow the
+issue (G = 8, eps 0.2 / 0.28, staleness 2, replay on).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class RolloutConfig:
     worker_threads: int = 1         # torch intra-op threads of each worker process
                                     # (rollouts sample the full distribution: no top-p/top-k,
                                     # training logprobs are computed without filtering)
+    backend: str = "local"          # async workers: "local" (threads or processes, above) or
+                                    # "ray" (Ray actors; see RayConfig)
 
 
 @dataclass
@@ -78,12 +81,22 @@ class PipelineConfig:
 
 
 @dataclass
+class RayConfig:
+    address: str | None = None      # Ray cluster to join ("auto", "HOST:6379"); None: the one
+                                    # this process already joined, else a new local instance
+    num_cpus: float = 1.0           # CPUs reserved per rollout actor (one placement bundle each)
+    strategy: str = "SPREAD"        # placement group strategy: SPREAD over nodes, or PACK
+    max_replacements: int = 3       # dead actors replaced per worker slot before the run fails
+
+
+@dataclass
 class RunConfig:
     model: str = "default"          # checkpoint directory or "default"
     tasks: str = "sim"              # task family: "sim" (learner.tasks) or "toy" (parity)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)    # see TrainerConfig
     rollout: RolloutConfig = field(default_factory=RolloutConfig)    # see RolloutConfig
     pipeline: PipelineConfig = field(default_factory=PipelineConfig) # see PipelineConfig
+    ray: RayConfig = field(default_factory=RayConfig)                # see RayConfig
 
 
 def to_dict(config: Any) -> dict:

@@ -4,7 +4,8 @@ Asynchronous (default): rollout workers, each with its own policy copy, keep run
 groups (G episodes of one task, recorded in the session store like any session) with the
 newest published version, while the trainer trains on finished groups. Workers are processes
 by default (no GIL shared with the trainer: generation and training really overlap on CPU),
-or threads. The trainer puts each new version on a `WeightBoard` in shared memory; workers
+threads, or Ray actors (`learner.ray_backend`: weights as deltas through Ray's object store).
+The trainer puts each new version on a `WeightBoard` in shared memory; workers
 copy it in between model calls (`EnginePolicy.swap_state`), so every sample, hence every
 token, carries the version that generated it. Samples more than `max_staleness` versions
 behind the trainer are dropped, and workers start a group only while fewer than
@@ -155,9 +156,10 @@ class Pipeline:
     def __init__(self, trainer: Trainer, policies: list[Any], tasks: Sequence[Any],
                  runner: GroupRunner, store: Any, config: RunConfig, cursor: int = 0,
                  model_path: str | Path | None = None):
-        processes = config.pipeline.mode == "async" and config.rollout.processes
+        r = config.rollout
+        processes = config.pipeline.mode == "async" and (r.processes or r.backend == "ray")
         if processes and model_path is None:
-            raise ValueError("rollout worker processes need the model path")
+            raise ValueError("rollout worker processes and actors need the model path")
         if not processes and not policies:
             raise ValueError("need at least one rollout policy")
         self.trainer, self.policies, self.tasks = trainer, policies, list(tasks)
@@ -165,6 +167,9 @@ class Pipeline:
         self.model_path = model_path
         self.cursor = cursor                     # index of the next task (saved in checkpoints)
         self.board = WeightBoard(trainer.version, trainer.published)
+        self.publish_hooks: list[Callable[[int, dict], None]] = []   # (version, state),
+                                                 # called after each step's publish
+        self.backend: Any = None                 # the Ray backend's actors, once a run started
         self.stats = Stats()
         self._credits = threading.Semaphore(0)   # groups that may start (set per async run)
         self._lock = threading.Lock()
@@ -213,6 +218,8 @@ class Pipeline:
                  "staleness_max": max(ages) if ages else None, "idle_s": idle_s}
         row = self.trainer.step(samples, extra, {"cursor": self.cursor})
         self.board.put(self.trainer.version, self.trainer.published)
+        for hook in self.publish_hooks:
+            hook(self.trainer.version, self.trainer.published)
         busy = time.perf_counter() - t0
         with self._lock:
             s = self.stats
@@ -260,7 +267,10 @@ class Pipeline:
         p = self.config.pipeline
         q: queue.Queue[Group] = queue.Queue()    # bounded by the credits
         self._credits = threading.Semaphore(p.groups_per_step * (p.max_staleness + 1))
-        if self.config.rollout.processes:
+        if self.config.rollout.backend == "ray":
+            from learner.ray_backend import start_actors
+            finish = start_actors(self, q)
+        elif self.config.rollout.processes:
             finish = self._start_processes(q)
         else:
             finish = self._start_threads(q)
@@ -437,8 +447,8 @@ def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = No
     trainer, extra = Trainer.open(model_path, run_dir, config.trainer, versions, store)
     r = config.rollout
     factory = policy_factory or (lambda: rollout_policy(config, model_path))
-    if p.mode == "async" and r.processes:
-        n_local = 0                              # the worker processes load their own
+    if p.mode == "async" and (r.processes or r.backend == "ray"):
+        n_local = 0                              # the worker processes (actors) load their own
     else:
         n_local = max(1, r.workers) if p.mode == "async" else 1
     policies = [factory() for _ in range(n_local)]
