@@ -248,10 +248,19 @@ def _run_dir(run_dir: Path | None) -> Path:
               help="Task order and initial RNG seed.")
 @click.option("--threads", type=click.IntRange(0), default=_PIPELINE.torch_threads,
               help="torch threads for the process (0 = torch's default).")
+@click.option("--backend", type=click.Choice(["local", "ray"]), default=_ROLLOUT.backend,
+              show_default=True, help="Where async rollout workers run: local processes, or "
+                                      "Ray actors (pip install 'apprentice[ray]').")
+@click.option("--address", default=None,
+              help="With --backend ray: the Ray cluster to join (e.g. HEAD:6379 or 'auto'); "
+                   "default: $RAY_ADDRESS, else a new local Ray instance.")
+@click.option("--workers", type=click.IntRange(1), default=_ROLLOUT.workers, show_default=True,
+              help="Async rollout workers, each with its own policy copy.")
 def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay: bool,
          groups_per_step: int, lr: float, max_staleness: int, max_new_tokens: int,
          max_steps: int, checkpoint_every: int, temperature: float, run_dir: Path | None,
-         versions_dir: Path | None, seed: int, threads: int) -> None:
+         versions_dir: Path | None, seed: int, threads: int, backend: str, address: str | None,
+         workers: int) -> None:
     """Train with GRPO (router replay, async rollouts); rerun to resume after a kill."""
     import json
 
@@ -271,10 +280,18 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
                                 temperature=temperature, seed=seed,
                                 checkpoint_every=checkpoint_every),
         rollout=c.RolloutConfig(group_size=group, concurrency=group, max_new_tokens=max_new_tokens,
-                                max_steps=max_steps),
+                                max_steps=max_steps, backend=backend, workers=workers),
         pipeline=c.PipelineConfig(mode="sync" if sync else "async", steps=steps,
                                   groups_per_step=groups_per_step, max_staleness=max_staleness,
-                                  torch_threads=threads, seed=seed))
+                                  torch_threads=threads, seed=seed),
+        ray=c.RayConfig(address=address))
+    if backend == "ray":
+        if sync:
+            raise click.UsageError("--backend ray runs async rollouts; drop --sync")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise click.ClickException("--backend ray needs ray: pip install 'apprentice[ray]'")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(c.to_dict(cfg), indent=1))
     versions = VersionStore(versions_dir or Path(default_home()) / "versions")
@@ -285,7 +302,8 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
             raise click.ClickException(str(exc))
         t = pipe.trainer
         click.echo(f"{'resumed' if t.step_count else 'started'} {run_dir} at step "
-                   f"{t.step_count}, version {t.version} ({cfg.pipeline.mode}, replay "
+                   f"{t.step_count}, version {t.version} ({cfg.pipeline.mode}"
+                   f"{', ray' if backend == 'ray' else ''}, replay "
                    f"{'on' if cfg.trainer.router_replay else 'off'})")
         with click.progressbar(length=steps, label="grpo", show_pos=True,
                                item_show_func=lambda r: r and _progress_line(r)) as bar:

@@ -10,15 +10,20 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
+from agent_runtime.cli import main  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
 from learner import pipeline  # noqa: E402
 from learner.config import (OptimConfig, PipelineConfig, RayConfig, RolloutConfig,  # noqa: E402
                             RunConfig, TrainerConfig)
 from learner.versions import VersionStore  # noqa: E402
+
+pipeline_build = pipeline.build
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,12 +62,33 @@ def build(ckpt, tmp_path, steps):
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, ckpt, tmp_path_factory):
-    """One 4-step run on two actors (shared by the tests that only look at its results)."""
-    pipe, store, versions = build(ckpt, tmp_path_factory.mktemp("run"), steps=4)
-    before = {k: v.clone() for k, v in pipe.trainer.model.state_dict().items()}
-    rows = []
-    stats = pipe.run(on_step=rows.append)
-    return pipe, store, versions, before, stats, rows
+    """One 4-step `apprentice learn grpo --backend ray --tasks toy` on two actors; the
+    pipeline it built is kept for the tests that look at its results."""
+    tmp = tmp_path_factory.mktemp("run")
+    built, before = [], {}
+
+    def keep(*args, **kw):
+        built.append(pipeline_build(*args, **kw))
+        before.update({k: v.clone() for k, v in built[0].trainer.model.state_dict().items()})
+        return built[0]
+    threads = torch.get_num_threads()             # --threads sets it for the process
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("APPRENTICE_HOME", str(tmp / "home"))
+        mp.setattr(pipeline, "build", keep)
+        result = CliRunner().invoke(main, [
+            "learn", "grpo", "--backend", "ray", "--workers", "2", "--tasks", "toy",
+            "--model", str(ckpt), "--steps", "4", "--group", "4", "--groups-per-step", "2",
+            "--max-new-tokens", "6", "--lr", "1e-2", "--threads", "1",
+            "--checkpoint-every", "100", "--run", str(tmp / "run"),
+            "--versions", str(tmp / "versions")], catch_exceptions=False)
+    torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    assert "(async, ray, replay on)" in result.output
+    pipe = built[0]
+    with SessionStore(tmp / "home") as store:
+        samples = [s for row in store.list_sessions(1000, include_all=True)
+                   for s in store.samples(row["id"])]
+    return pipe, samples, VersionStore(tmp / "versions"), before, pipe.trainer.metrics()
 
 
 def trained_sessions(pipe):
@@ -76,9 +102,9 @@ def trained_sessions(pipe):
     return seen
 
 
-def test_ray_actors_train_and_publish_versions(run):
-    pipe, _, versions, before, stats, rows = run
-    assert pipe.trainer.step_count == 4 and stats.episodes_trained == 4 * 2 * 4
+def test_learn_grpo_on_ray_trains_and_publishes_versions(run):
+    pipe, _, versions, before, rows = run
+    assert pipe.trainer.step_count == 4 and pipe.stats.episodes_trained == 4 * 2 * 4
     updates = sum(r["updated"] for r in rows)   # a step whose groups all tied publishes nothing
     assert updates >= 1
     assert versions.latest().version == pipe.trainer.version == 1 + updates
@@ -87,17 +113,15 @@ def test_ray_actors_train_and_publish_versions(run):
 
 
 def test_every_sample_carries_a_published_version_within_the_bound(run):
-    pipe, store, versions, _, stats, _ = run
-    used = {s["policy_version"]
-            for row in store.list_sessions(1000, include_all=True)
-            for s in store.samples(row["id"])}
+    pipe, samples, versions, _, _ = run
+    used = {s["policy_version"] for s in samples}
     assert used <= set(range(1, versions.latest().version + 1))
     assert len(used) > 1                          # the actors followed the new versions
-    assert max(stats.staleness) <= 2
+    assert max(pipe.stats.staleness) <= 2
 
 
 def test_every_actor_holds_each_published_version_bit_identically(run):
-    pipe, _, versions, _, _, _ = run
+    pipe, _, versions, _, _ = run
     reports = pipe.backend.reports
     published = {v: versions.info(v).sha256 for v in range(1, versions.latest().version + 1)}
     assert all(r["sha256"] == published[r["version"]] for r in reports)
@@ -106,7 +130,7 @@ def test_every_actor_holds_each_published_version_bit_identically(run):
 
 
 def test_the_full_state_goes_only_on_first_contact(run):
-    pipe, _, _, _, _, _ = run
+    pipe, _, _, _, _ = run
     full = Counter((r["index"], r["incarnation"]) for r in pipe.backend.reports if r.get("full"))
     assert full == {(0, 1): 1, (1, 1): 1}
 
