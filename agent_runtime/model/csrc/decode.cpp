@@ -10,20 +10,27 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 // ---- few-row bf16 matmul: y [M, N] = x [M, K] @ w [N, K]^T (+ b), M <= kRows -------------
-// Each output is a dot product accumulated in fp32 over 16 lanes (k % 16) with fused multiply-
-// adds in increasing k, the lanes summed by a fixed tree and rounded once to bf16 (round to
-// nearest even). Its bits depend only on x's row and w's row: not on M, N, the thread count or
-// the split of N between threads, so the Python path (`model.linear`) and this step, calling
-// it alike, agree bitwise, and a row decodes to the same bits alone or in a batch. The weights
-// are read once for all rows (oneDNN, which `at::mm` uses for bf16 here, costs ~10 us of
-// setup per call, more than a 256x256 matrix takes to read).
+// Each output is a dot product accumulated in 16 fp32 lanes in increasing k (with AVX512-BF16,
+// pairs of bf16 products per lane; otherwise fused multiply-adds, lane k % 16), the lanes
+// summed by a fixed tree and rounded once to bf16 (round to nearest even). Its bits depend
+// only on x's row and w's row: not on M, N, the thread count or the split of N between
+// threads, so the Python path (`model.linear`) and this step, calling it alike, agree bitwise,
+// and a row decodes to the same bits alone or in a batch. The weights are read once for all
+// rows (oneDNN, which `at::mm` uses for bf16 here, costs ~10 us of setup per call, more than a
+// 256x256 matrix takes to read).
 
 constexpr int64_t kRows = 8;
 constexpr int kLanes = 16;
@@ -42,27 +49,81 @@ inline float lane_sum(const float* a) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// Rows n of w (NB at a time, for independent accumulators) against the M rows of x.
+// Rows n..n+NB of w against the M rows of x (NB rows at a time for independent accumulators).
+#if defined(__AVX512BF16__)
+using XRow = uint16_t;  // x as stored (bf16)
+// AVX512-BF16: one instruction multiplies 16 pairs of bf16 and adds them to 16 fp32 lanes (lane
+// l takes k = 32c + 2l and 32c + 2l + 1), reading x and w as stored, without conversion.
+template <int M, int NB>
+inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
+                     const float* bias, at::BFloat16* y, int64_t N) {
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2 * kLanes) {
+    const int64_t left = K - k;
+    const __mmask32 mask = left >= 2 * kLanes ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+    for (int j = 0; j < NB; ++j) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n + j) * K + k);
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) {
+      alignas(64) float lanes[kLanes];
+      _mm512_store_ps(lanes, acc[j][m]);
+      float s = lane_sum(lanes);
+      if (bias) s += bias[n + j];
+      y[m * N + n + j] = at::BFloat16(s);
+    }
+}
+#elif defined(__AVX512F__)
+using XRow = float;     // x converted to fp32 once
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int M, int NB>
+inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
+                     at::BFloat16* y, int64_t N) {
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const __mmask16 mask = K - k >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int j = 0; j < NB; ++j) {
+      const __m512 wv = load_bf16(w + (n + j) * K + k, mask);
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(xv[m], wv, acc[j][m]);
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) {
+      alignas(64) float lanes[kLanes];
+      _mm512_store_ps(lanes, acc[j][m]);
+      float s = lane_sum(lanes);
+      if (bias) s += bias[n + j];
+      y[m * N + n + j] = at::BFloat16(s);
+    }
+}
+#else
+using XRow = float;
 template <int M, int NB>
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      at::BFloat16* y, int64_t N) {
   float acc[NB][M][kLanes] = {};
-  const int64_t body = K / kLanes * kLanes;
-  for (int64_t k = 0; k < body; k += kLanes) {
-    for (int j = 0; j < NB; ++j) {
-      float wf[kLanes];
-      const uint16_t* wr = w + (n + j) * K + k;
-      for (int l = 0; l < kLanes; ++l) wf[l] = bf16_to_float(wr[l]);
-      for (int m = 0; m < M; ++m)
-        for (int l = 0; l < kLanes; ++l)
-          acc[j][m][l] = std::fma(x[m * K + k + l], wf[l], acc[j][m][l]);
-    }
-  }
-  for (int64_t k = body; k < K; ++k)         // K not a multiple of 16: lane k % 16
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const int64_t width = std::min<int64_t>(kLanes, K - k);
     for (int j = 0; j < NB; ++j)
       for (int m = 0; m < M; ++m)
-        acc[j][m][k - body] = std::fma(x[m * K + k], bf16_to_float(w[(n + j) * K + k]),
-                                       acc[j][m][k - body]);
+        for (int64_t l = 0; l < width; ++l)
+          acc[j][m][l] = std::fma(x[m * K + k + l], bf16_to_float(w[(n + j) * K + k + l]),
+                                  acc[j][m][l]);
+  }
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
       float s = lane_sum(acc[j][m]);
@@ -70,11 +131,12 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
       y[m * N + n + j] = at::BFloat16(s);
     }
 }
+#endif
 
 template <int M>
-void rows_kernel(const float* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
+void rows_kernel(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
                  at::BFloat16* y) {
-  constexpr int NB = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  constexpr int NB = M <= 2 ? 4 : 2;
   const int64_t grain = std::max<int64_t>(NB, (int64_t{1} << 17) / K / NB * NB);  // 128k weights
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
@@ -91,14 +153,15 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && w.dim() == 2);
   const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
   TORCH_CHECK(x.size(-1) == K && M >= 1 && M <= kRows, "rows_linear: at most 8 rows of width ", K);
-  auto xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  auto xr = x.reshape({M, K}).to(std::is_same<XRow, float>::value ? at::kFloat : at::kBFloat16)
+                .contiguous();
   auto wc = w.contiguous();
   at::Tensor bf;
   if (b.has_value() && b->defined()) bf = b->to(at::kFloat).contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = at::empty(sizes, x.options());
-  const float* xp = xf.data_ptr<float>();
+  const auto* xp = static_cast<const XRow*>(xr.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
