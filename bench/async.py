@@ -15,12 +15,16 @@ Settings (`--settings`, comma-separated), each for `--seconds` of wall time:
                       the trainer, weights through shared memory) and the trainer run at once,
                       torch at one intra-op thread in every process
   async:thread:1      one rollout worker thread inside the trainer's process (shares its GIL)
+  ray:N               N rollout workers as Ray actors (`--backend ray`: one placement bundle
+                      of one CPU each, weights as codec deltas through the object store) on a
+                      local Ray instance started before the settings run; needs the ray extra
 
 Reported per setting: optimizer steps, episodes generated and trained on per hour (over the
 whole wall time, which includes starting worker processes, and in steady state: from the
 end of the first step to the end), trainer idle fraction (time the trainer waited for
 rollouts / wall time), staleness of trained samples, and each async setting's ratio to the
-best sync setting in episodes trained per hour. With `--rounds R` the settings run R times
+best sync setting in episodes trained per hour; each ray:N setting's ratio to
+async:process:N (else the best process setting) is printed last: the price of Ray. With `--rounds R` the settings run R times
 in turn (A B C A B C ...) and the medians are reported, so load that other tenants put on a
 shared machine falls on every setting alike. Checkpoints are off in every setting
 (publishing versions stays on).
@@ -52,17 +56,19 @@ def run_setting(ckpt: Path, tmp: Path, spec: str, a) -> dict:
     from learner.versions import VersionStore
 
     parts = spec.split(":")
-    mode = parts[0]
+    backend = "ray" if parts[0] == "ray" else "local"
+    mode = "async" if backend == "ray" else parts[0]
     threads = int(parts[1]) if mode == "sync" else 1
     processes = mode == "async" and parts[1] == "process"
-    workers = int(parts[2]) if mode == "async" else 1
+    workers = int(parts[-1]) if mode == "async" else 1
     cfg = c.RunConfig(
         model=str(ckpt), tasks=a.tasks,
         trainer=c.TrainerConfig(optim=c.OptimConfig(lr=a.lr), checkpoint_every=0,
                                 device=a.device),
         rollout=c.RolloutConfig(group_size=a.group, concurrency=a.group, device=a.device,
                                 max_new_tokens=a.tokens, max_steps=a.max_steps,
-                                processes=processes, workers=workers, worker_threads=1),
+                                processes=processes, workers=workers, worker_threads=1,
+                                backend=backend),
         pipeline=c.PipelineConfig(mode=mode, steps=10**9, groups_per_step=a.groups_per_step,
                                   torch_threads=threads, seed=a.seed))
     torch.manual_seed(a.seed)
@@ -77,7 +83,7 @@ def run_setting(ckpt: Path, tmp: Path, spec: str, a) -> dict:
     steady = 0.0
     if len(marks) > 1:
         steady = (marks[-1][1] - marks[0][1]) / ((end - marks[0][0]) / 3600)
-    return {"setting": spec, "mode": mode, "wall_s": round(s.wall_s, 1), "steps": s.steps,
+    return {"setting": spec, "mode": mode, "backend": backend, "wall_s": round(s.wall_s, 1), "steps": s.steps,
             "episodes_generated": s.episodes_generated, "episodes_trained": s.episodes_trained,
             "generated_per_hour": s.episodes_generated / hours,
             "trained_per_hour": s.episodes_trained / hours,
@@ -107,6 +113,9 @@ def main() -> None:
           f"{torch.__version__}, {a.seconds:.0f} s per setting, tasks {a.tasks}, G {a.group}, "
           f"{a.groups_per_step} groups/step, {a.tokens} tokens/call, device {a.device}")
     specs = a.settings.split(",")
+    if any(spec.startswith("ray") for spec in specs):
+        import ray                                    # one local instance for every ray setting
+        ray.init(include_dashboard=False, log_to_driver=False)
     runs: dict[str, list[dict]] = {spec: [] for spec in specs}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_agent_checkpoint(Path(tmp) / "ckpt")
@@ -140,6 +149,18 @@ def main() -> None:
                   f"(vs {best['setting']}), {steady:.2f}x in steady state (vs "
                   f"{best_steady['setting']}); trainer idle {100 * r['trainer_idle']:.1f}% vs "
                   f"{100 * best['trainer_idle']:.1f}%")
+    for r in (r for r in results if r["backend"] == "ray"):
+        n = r["setting"].split(":")[-1]
+        local = [x for x in results if x["setting"] == f"async:process:{n}"] or sorted(
+            (x for x in results if x["setting"].startswith("async:process")),
+            key=lambda x: -x["trained_per_hour"])
+        if local:
+            base = local[0]
+            whole = r["trained_per_hour"] / max(base["trained_per_hour"], 1e-9)
+            steady = r["trained_per_hour_steady"] / max(base["trained_per_hour_steady"], 1e-9)
+            ratios[f"{r['setting']} / {base['setting']}"] = {"whole": whole, "steady": steady}
+            print(f"{r['setting']} / {base['setting']}: {whole:.2f}x episodes trained per hour, "
+                  f"{steady:.2f}x in steady state")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
                                       "results": results, "ratios": ratios, "runs": runs},
