@@ -3,12 +3,14 @@
     python bench/decode.py                       # ~0.5 B test shape, fp32 and bf16, 2 threads
     python bench/decode.py --model PATH          # any HF-format MoE checkpoint
     python bench/decode.py --device cuda         # on a GPU
+    python bench/decode.py --rows 8              # and 8 rows of one batch against one row
 
 Both engines load the same checkpoint, get the same prompt, decode the same number of greedy
 tokens (checked identical), and are timed in the same run. Prints prefill and decode tokens/s,
 the memory-bandwidth bound of decode (active bytes per token over measured copy bandwidth), the
 matmul bound of prefill (operations per token over the measured speed of one large matmul)
-and, last, the ratios ours/transformers.
+and the ratios ours/transformers; with --rows N, last, our decode tokens/s with N rows of one
+batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike.
 """
 
 from __future__ import annotations
@@ -120,6 +122,20 @@ def time_ours(model, prompt, new, device, reps):
     return pre, statistics.median(t for t, _ in full), full[0][1]
 
 
+def time_rows(model, prompt, new, device, reps, rows):
+    """Decode tokens/s of `rows` sampled rows of one prompt in one batch (all rows' tokens)."""
+    def run(n):
+        sync(device)
+        t = time.perf_counter()
+        generate(model, [prompt] * rows, SamplingParams(max_new_tokens=n, temperature=1.0, seed=0))
+        sync(device)
+        return time.perf_counter() - t
+    run(4)
+    pre = statistics.median(run(1) for _ in range(reps))
+    full = statistics.median(run(new) for _ in range(reps))
+    return rows * (new - 1) / (full - pre)
+
+
 def time_hf(model, prompt, new, device, reps):
     ids = torch.tensor([prompt], device=device)
 
@@ -147,6 +163,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="also decode this many sampled rows of one batch against one row")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -167,6 +185,10 @@ def main() -> None:
         row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
                "ours_decode": (args.new_tokens - 1) / (full - pre), "bound": bound,
                "compute": compute}
+        if args.rows:
+            one = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, 1)
+            many = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, args.rows)
+            row.update(rows_1=one, rows_n=many)
         del ours
         if not args.no_hf:
             import transformers
@@ -192,6 +214,10 @@ def main() -> None:
         print("ratios ours/transformers: " + "  ".join(
             f"{r['dtype']}: prefill {r['ours_prefill'] / r['hf_prefill']:.2f}x "
             f"decode {r['ours_decode'] / r['hf_decode']:.2f}x" for r in rows))
+    if args.rows:
+        print("batched decode, sampled (tokens/s of all rows): " + "  ".join(
+            f"{r['dtype']}: rows {args.rows} {r['rows_n']:.1f} / rows 1 {r['rows_1']:.1f} = "
+            f"{r['rows_n'] / r['rows_1']:.2f}x" for r in rows))
 
 
 if __name__ == "__main__":
