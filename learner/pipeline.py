@@ -157,6 +157,8 @@ class Pipeline:
                  runner: GroupRunner, store: Any, config: RunConfig, cursor: int = 0,
                  model_path: str | Path | None = None):
         r = config.rollout
+        if r.backend not in ("local", "ray"):
+            raise ValueError(f"rollout backend must be 'local' or 'ray', got {r.backend!r}")
         processes = config.pipeline.mode == "async" and (r.processes or r.backend == "ray")
         if processes and model_path is None:
             raise ValueError("rollout worker processes and actors need the model path")

@@ -11,7 +11,8 @@ their samples (per-token versions and routes as generated), on the trainer's que
 Weights: after every step the trainer encodes the lossless delta (`agent_runtime.delta`)
 from the previous published version to the new one and `ray.put`s it once; every actor is
 offered it, fetches it from the object store, verifies it and applies it between model calls
-(`EnginePolicy.swap_state`), then reports the version and the sha256 of the weights it now
+(`EnginePolicy.swap_state`; offers that overtake each other on the actor's threads wait for
+the version before them), then reports the version and the sha256 of the weights it now
 holds, rehashed from its live tensors. The full state goes only to a new actor (first
 contact) or to one whose delta did not apply. Every report is checked against the published
 version's sha256; a mismatch stops the run.
@@ -258,8 +259,8 @@ class RayRollouts:
             return                                # already replaced
         slot.deaths += 1
         if slot.deaths > self.config.ray.max_replacements:
-            raise RuntimeError(f"rollout actor {slot.index} died {slot.deaths} times without "
-                               f"finishing a group") from exc
+            raise RuntimeError(f"rollout actor {slot.index} died without finishing a group "
+                               f"({slot.deaths} in a row): {exc}") from exc
         _ray().kill(dead, no_restart=True)
         self.replaced += 1
         log.warning("rollout actor %d died; starting a new one", slot.index)

@@ -151,3 +151,12 @@ def test_a_killed_actor_is_replaced_and_no_group_is_trained_twice(ray_cluster, c
     assert len(seen) == 5 * 2 * 4
     new = [r for r in backend.reports if r["index"] == 0 and r["incarnation"] == 2]
     assert new and new[0].get("full")             # the new actor's first contact: full state
+
+
+def test_an_actor_that_cannot_start_stops_the_run(ray_cluster, ckpt, tmp_path):
+    pipe, _, _ = build(ckpt, tmp_path, steps=2)
+    pipe.config.ray.max_replacements = 0
+    pipe.model_path = tmp_path / "missing"                 # the actor cannot load its policy
+    with pytest.raises(RuntimeError, match="rollout worker failed") as info:
+        pipe.run()
+    assert "missing" in str(info.value.__cause__) and pipe.trainer.step_count == 0
