@@ -5,6 +5,7 @@ ray is not installed (`pip install -e '.[dev,ray]'`), except under CI (`CI=true`
 must run."""
 
 import os
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -160,3 +161,11 @@ def test_an_actor_that_cannot_start_stops_the_run(ray_cluster, ckpt, tmp_path):
     with pytest.raises(RuntimeError, match="rollout worker failed") as info:
         pipe.run()
     assert "missing" in str(info.value.__cause__) and pipe.trainer.step_count == 0
+
+
+def test_ray_is_imported_only_when_the_backend_runs():
+    code = ("import sys, learner.pipeline, learner.ray_backend, learner.cli; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
