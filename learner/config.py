@@ -78,6 +78,8 @@ class PipelineConfig:
                                     # (max_staleness + 1) are queued or running
     torch_threads: int = 0          # torch intra-op threads for the process (0 = leave as is)
     seed: int = 0                   # task order and sampling seeds
+    curriculum: bool = False        # draw task families where the policy both passes and
+                                    # fails (`learner.curriculum`); tasks without a family: off
 
 
 @dataclass

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from agent_runtime.policies.base import batches
 from agent_runtime.policies.following import FollowingPolicy
 from learner.config import RolloutConfig, RunConfig
+from learner.curriculum import FamilyCurriculum
 from learner.grpo import Episode, Group, group_samples
 from learner.trainer import Trainer
 
@@ -155,7 +156,7 @@ class Pipeline:
 
     def __init__(self, trainer: Trainer, policies: list[Any], tasks: Sequence[Any],
                  runner: GroupRunner, store: Any, config: RunConfig, cursor: int = 0,
-                 model_path: str | Path | None = None):
+                 model_path: str | Path | None = None, curriculum_state: dict | None = None):
         r = config.rollout
         if r.backend not in ("local", "ray"):
             raise ValueError(f"rollout backend must be 'local' or 'ray', got {r.backend!r}")
@@ -168,6 +169,13 @@ class Pipeline:
         self.runner, self.store, self.config = runner, store, config
         self.model_path = model_path
         self.cursor = cursor                     # index of the next task (saved in checkpoints)
+        self.curriculum: FamilyCurriculum | None = None     # draws the tasks when configured
+        families = [getattr(t, "family", None) for t in self.tasks]
+        if config.pipeline.curriculum and self.tasks and None not in families:
+            self.curriculum = FamilyCurriculum(families, seed=config.pipeline.seed)
+            if curriculum_state:
+                self.curriculum.load_state(curriculum_state)
+        self._family = dict(zip((getattr(t, "id", None) for t in self.tasks), families))
         self.board = WeightBoard(trainer.version, trainer.published)
         self.publish_hooks: list[Callable[[int, dict], None]] = []   # (version, state),
                                                  # called after each step's publish
@@ -181,7 +189,7 @@ class Pipeline:
     def _next_index(self) -> int:
         with self._lock:
             self.cursor += 1
-            return self.cursor - 1
+            return self.curriculum.next_index() if self.curriculum else self.cursor - 1
 
     def _next_task(self) -> Any:
         return self.tasks[self._next_index() % len(self.tasks)]
@@ -218,7 +226,14 @@ class Pipeline:
                  "stale_dropped": stale,
                  "staleness_mean": sum(ages) / len(ages) if ages else None,
                  "staleness_max": max(ages) if ages else None, "idle_s": idle_s}
-        row = self.trainer.step(samples, extra, {"cursor": self.cursor})
+        saved = {"cursor": self.cursor}
+        if self.curriculum:
+            with self._lock:
+                for g in groups:
+                    self.curriculum.record(self._family.get(g.task_id),
+                                           [e.passed for e in g.episodes])
+                saved["curriculum"] = self.curriculum.state()
+        row = self.trainer.step(samples, extra, saved)
         self.board.put(self.trainer.version, self.trainer.published)
         for hook in self.publish_hooks:
             hook(self.trainer.version, self.trainer.published)
@@ -456,7 +471,8 @@ def build(config: RunConfig, run_dir: str | Path, store: Any, versions: Any = No
     policies = [factory() for _ in range(n_local)]
     tasks, runner = task_family(config.tasks, p.seed)
     pipe = Pipeline(trainer, policies, tasks, runner, store, config,
-                    cursor=(extra or {}).get("cursor", 0), model_path=model_path)
+                    cursor=(extra or {}).get("cursor", 0), model_path=model_path,
+                    curriculum_state=(extra or {}).get("curriculum"))
     for policy in policies:
         pipe.board.sync(policy)
     return pipe

@@ -40,6 +40,8 @@ class GRPOStageConfig:
     max_seconds: float = 300.0      # stop after this wall time (0 = no limit)
     device: str = "auto"            # trainer and rollout device
     seed: int = 0
+    curriculum: bool = True         # draw task families the model both passes and fails
+                                    # (`learner.curriculum`): most groups otherwise train nothing
 
 
 @dataclass
@@ -157,7 +159,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
-                                   seed=g.seed,
+                                   seed=g.seed, curriculum=g.curriculum,
                                    # on a CPU: one core trains while one rolls out
                                    torch_threads=1 if device == "cpu" else 0))
     run_dir.mkdir(parents=True, exist_ok=True)

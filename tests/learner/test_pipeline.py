@@ -174,3 +174,27 @@ def test_weights_are_never_labelled_with_another_version():
     policy = Policy()
     board.sync(policy)
     assert policy.version == 2 and policy.weights["w"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_curriculum_draws_the_family_the_policy_both_passes_and_fails(ckpt, tmp_path):
+    from types import SimpleNamespace
+    base, store, _ = build(ckpt, tmp_path, "sync")
+    tasks = [SimpleNamespace(id=f"{family}/{i}", family=family)
+             for family in ("solved", "never", "mixed") for i in range(4)]
+    drawn = []
+
+    def runner(policy, task, store, rollout, should_stop):
+        drawn.append(task.family)
+        passed = {"solved": [True] * 4, "never": [False] * 4, "mixed": [True, False] * 2}
+        return Group(task.id, [Episode(f"s{len(drawn)}-{i}", float(p), p)
+                               for i, p in enumerate(passed[task.family])], [[]] * 4)
+
+    cfg = config(ckpt, "sync", steps=40, curriculum=True)
+    pipe = pipeline.Pipeline(base.trainer, base.policies, tasks, runner, store, cfg)
+    pipe.run()
+    late = drawn[len(drawn) // 2:]
+    assert late.count("mixed") > 2 * max(late.count("solved"), late.count("never")), drawn
+    assert pipe.curriculum.state()["draws"] == len(drawn) == 80
+    plain = pipeline.Pipeline(base.trainer, base.policies, tasks, runner, store,
+                              config(ckpt, "sync", steps=1))
+    assert plain.curriculum is None and plain._next_index() == 0 and plain._next_index() == 1
