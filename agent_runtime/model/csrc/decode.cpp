@@ -49,6 +49,15 @@ inline float lane_sum(const float* a) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+#if defined(__AVX512F__)
+inline float lane_sum(__m512 a) {  // the same tree in registers
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 // Rows n..n+NB of w against the M rows of x (NB rows at a time for independent accumulators).
 #if defined(__AVX512BF16__)
 using XRow = uint16_t;  // x as stored (bf16)
@@ -72,9 +81,7 @@ inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
   }
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
-      alignas(64) float lanes[kLanes];
-      _mm512_store_ps(lanes, acc[j][m]);
-      float s = lane_sum(lanes);
+      float s = lane_sum(acc[j][m]);
       if (bias) s += bias[n + j];
       y[m * N + n + j] = at::BFloat16(s);
     }
@@ -103,9 +110,7 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
   }
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
-      alignas(64) float lanes[kLanes];
-      _mm512_store_ps(lanes, acc[j][m]);
-      float s = lane_sum(lanes);
+      float s = lane_sum(acc[j][m]);
       if (bias) s += bias[n + j];
       y[m * N + n + j] = at::BFloat16(s);
     }
@@ -136,7 +141,7 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 template <int M>
 void rows_kernel(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
                  at::BFloat16* y) {
-  constexpr int NB = M <= 2 ? 4 : 2;
+  constexpr int NB = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
   const int64_t grain = std::max<int64_t>(NB, (int64_t{1} << 17) / K / NB * NB);  // 128k weights
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
