@@ -8,7 +8,9 @@ same arguments from C++, so its logits and routes are bitwise the Python path's.
 once per machine with `torch.utils.cpp_extension` (cached under the torch extensions folder)
 the first time a decode needs it; when it cannot be built (no compiler, no ninja) or the model
 is of a kind it does not cover, `stepper` returns None and generation stays in Python.
-`APPRENTICE_FAST_DECODE=0` turns it off.
+`APPRENTICE_FAST_DECODE=0` turns the step off, not the extension's few-row bf16 matmul
+(`rows_linear`), which `model.linear` uses whenever the extension is built, so that the Python
+step and the C++ one compute the same bits.
 
 It does not prefill, sample or manage caches (`generate` does) and never trains.
 """
