@@ -39,6 +39,8 @@ _failed: str | None = None
 def extension() -> Any:
     """The compiled module, building it on first use; None when it cannot be built."""
     global _ext, _failed
+    if _ext is not None or _failed is not None:    # built (or failed) once: no lock, as
+        return _ext                                # `model.linear` asks on every decode matmul
     with _lock:
         if _ext is None and _failed is None:
             try:
