@@ -393,17 +393,18 @@ def _sparsify_update(model: torch.nn.Module, serving: dict[str, torch.Tensor],
         spacing = torch.ldexp(torch.ones_like(old), torch.frexp(old).exponent - 8)
         return (p - old).abs() / spacing.clamp_min(torch.finfo(torch.bfloat16).tiny)
 
-    flat = torch.cat([scores(n, p).flatten() for n, p in params.items()])
+    score = {n: scores(n, p) for n, p in params.items()}
+    flat = torch.cat([s.flatten() for s in score.values()])
     if flat.numel() > SAMPLE:
         flat = flat[torch.randint(0, flat.numel(), (SAMPLE,),
                                   generator=torch.Generator().manual_seed(0))]
     k = max(1, int(flat.numel() * share))     # the k-th largest score is the threshold
     threshold = max(float(flat.kthvalue(flat.numel() - k + 1).values), 1e-30)
+    del flat
     kept = total = 0
     for name, p in params.items():
-        old = serving[name].to(p.dtype)
-        keep = scores(name, p) >= threshold
-        p.copy_(torch.where(keep, p, old))
+        keep = score.pop(name) >= threshold
+        p.copy_(torch.where(keep, p, serving[name].to(p.dtype)))
         kept, total = kept + int(keep.sum()), total + p.numel()
     return kept / max(total, 1)
 
