@@ -170,12 +170,13 @@ class Pipeline:
         self.model_path = model_path
         self.cursor = cursor                     # index of the next task (saved in checkpoints)
         self.curriculum: FamilyCurriculum | None = None     # draws the tasks when configured
+        self._family: dict[Any, str] = {}        # task id -> family, for the curriculum
         families = [getattr(t, "family", None) for t in self.tasks]
         if config.pipeline.curriculum and self.tasks and None not in families:
             self.curriculum = FamilyCurriculum(families, seed=config.pipeline.seed)
             if curriculum_state:
                 self.curriculum.load_state(curriculum_state)
-        self._family = dict(zip((getattr(t, "id", None) for t in self.tasks), families))
+            self._family = {t.id: t.family for t in self.tasks}
         self.board = WeightBoard(trainer.version, trainer.published)
         self.publish_hooks: list[Callable[[int, dict], None]] = []   # (version, state),
                                                  # called after each step's publish
@@ -195,8 +196,11 @@ class Pipeline:
         return self.tasks[self._next_index() % len(self.tasks)]
 
     def _group(self, policy: Any) -> Group:
-        group = self.runner(self.board.follow(policy), self._next_task(), self.store,
-                            self.config.rollout, self._stop.is_set)
+        return self._generated(self.runner(self.board.follow(policy), self._next_task(),
+                                           self.store, self.config.rollout, self._stop.is_set))
+
+    def _generated(self, group: Group) -> Group:
+        """Count a finished group's episodes (any backend's) in the stats; returns it."""
         with self._lock:
             self.stats.episodes_generated += len(group.episodes)
         return group
@@ -404,9 +408,7 @@ class Pipeline:
                 self._stop.set()
                 return
             payload.samples = [self.store.samples(e.session_id) for e in payload.episodes]
-            with self._lock:
-                self.stats.episodes_generated += len(payload.episodes)
-            self._put(q, payload)
+            self._put(q, self._generated(payload))
 
 
 def _worker_main(config: RunConfig, model_path: str, home: str, board: WeightBoard, index: int,

@@ -319,9 +319,7 @@ class RayRollouts:
             return
         with self._lock:
             slot.task, slot.deaths = None, 0
-        with self.pipe._lock:
-            self.pipe.stats.episodes_generated += len(result.episodes)
-        self.pipe._put(self.q, result)
+        self.pipe._put(self.q, self.pipe._generated(result))
 
     def close(self) -> None:
         """Stop the loop, let the actors report the last weights, end them and free the
