@@ -58,6 +58,19 @@ inline float lane_sum(__m512 a) {  // the same tree in registers
 }
 #endif
 
+// The NB x M dot products of `dot_rows` (fp32 lanes, in registers or an array) summed by
+// `lane_sum`, biased and rounded once into y.
+template <int M, int NB, class Lanes>
+inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, at::BFloat16* y,
+                       int64_t N) {
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) {
+      float s = lane_sum(acc[j][m]);
+      if (bias) s += bias[n + j];
+      y[m * N + n + j] = at::BFloat16(s);
+    }
+}
+
 // Rows n..n+NB of w against the M rows of x (NB rows at a time for independent accumulators).
 #if defined(__AVX512BF16__)
 using XRow = uint16_t;  // x as stored (bf16)
@@ -79,12 +92,7 @@ inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
     }
   }
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) {
-      float s = lane_sum(acc[j][m]);
-      if (bias) s += bias[n + j];
-      y[m * N + n + j] = at::BFloat16(s);
-    }
+  store_rows<M, NB>(acc, n, bias, y, N);
 }
 #elif defined(__AVX512F__)
 using XRow = float;     // x converted to fp32 once
@@ -108,12 +116,7 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(xv[m], wv, acc[j][m]);
     }
   }
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) {
-      float s = lane_sum(acc[j][m]);
-      if (bias) s += bias[n + j];
-      y[m * N + n + j] = at::BFloat16(s);
-    }
+  store_rows<M, NB>(acc, n, bias, y, N);
 }
 #else
 using XRow = float;
@@ -129,12 +132,7 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
           acc[j][m][l] = std::fma(x[m * K + k + l], bf16_to_float(w[(n + j) * K + k + l]),
                                   acc[j][m][l]);
   }
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) {
-      float s = lane_sum(acc[j][m]);
-      if (bias) s += bias[n + j];
-      y[m * N + n + j] = at::BFloat16(s);
-    }
+  store_rows<M, NB>(acc, n, bias, y, N);
 }
 #endif
 
