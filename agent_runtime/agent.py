@@ -239,10 +239,10 @@ class Agent:
         if completion.finish_reason == names.FINISH_CANCELLED:
             raise Cancelled("cancelled by the user")
         if not calls:
-            cut = completion.finish_reason == names.FINISH_LENGTH
-            self._append({"role": "user", "kind": names.KIND_NUDGE, "content": (
-                "Your last message was cut off at the length limit. " if cut else "")
-                + self.config.nudge})
+            cut = {names.FINISH_LENGTH: "Your last message was cut off at the length limit. ",
+                   names.FINISH_LOOP: "Your last message was cut off: it kept repeating itself. "}
+            self._append({"role": "user", "kind": names.KIND_NUDGE, "content":
+                          cut.get(completion.finish_reason, "") + self.config.nudge})
             return
         finish_summary = self._run_calls(calls, message_id)
         if finish_summary is not None:

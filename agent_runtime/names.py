@@ -29,7 +29,8 @@ FINISH_STOP = "stop"                       # a stop string ended it
 FINISH_EOS = "eos"                         # an end-of-turn token ended it
 FINISH_LENGTH = "length"                   # it hit max_new_tokens (or the window)
 FINISH_CANCELLED = "cancelled"             # the caller stopped it mid-way
-FINISH_REASONS = (FINISH_STOP, FINISH_EOS, FINISH_LENGTH, FINISH_CANCELLED)
+FINISH_LOOP = "loop"                       # it was repeating itself (a degenerate loop)
+FINISH_REASONS = (FINISH_STOP, FINISH_EOS, FINISH_LENGTH, FINISH_CANCELLED, FINISH_LOOP)
 
 # -- feedback sources: who said it ------------------------------------------------------------
 EXPLICIT = "explicit"                      # the user's thumbs (command line, TUI)

@@ -32,6 +32,8 @@ class SamplingParams:
     stop: Sequence[str] = ()                # stop strings (need `decode`); excluded from .text
     stop_token_ids: Sequence[int] = ()      # e.g. eos / <|im_end|>; the token is kept
     seed: int | None = None                 # same seed, same prompt, same weights -> same tokens
+    loop_span: int = 0                      # end a row ("loop") once its last `loop_span` new
+                                            # tokens repeat one pattern (see LoopGuard; 0 = off)
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Generation:
     tokens: list[int]                       # sampled token ids, as generated
     logprobs: list[float]                   # behaviour logprob of each sampled token
     routes: torch.Tensor | None             # [P + T - 1, L, k] uint8/int16: every token fed
-    finish_reason: str                      # "eos" | "stop" | "length" | "cancelled"
+    finish_reason: str                      # "eos" | "stop" | "length" | "cancelled" | "loop"
     text: str | None = None                 # decoded completion up to a stop string
     prompt_len: int = 0
 
@@ -68,6 +70,37 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     logp = _filter_logprobs(logits, p)
     tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+class LoopGuard:
+    """Spots a degenerate loop in one row's new tokens: the last `span` tokens all equal the
+    token `p` before them for one period p <= MAX_PERIOD, with at least MIN_REPEATS whole
+    periods (`in in in ...`, `orders.cli orders.cli ...`, a line written over and over).
+    Small greedy models fall into these and would otherwise spend the rest of max_new_tokens
+    on them. O(MAX_PERIOD) per token: a run counter per period."""
+
+    MAX_PERIOD = 16
+    MIN_REPEATS = 3
+
+    def __init__(self, span: int):
+        self.span = span
+        self.tokens: list[int] = []
+        self.runs = [0] * (self.MAX_PERIOD + 1)      # runs[p]: tail length equal to p back
+
+    def push(self, token: int) -> bool:
+        """Add a token; True when the tail is now a loop."""
+        t, runs = self.tokens, self.runs
+        t.append(token)
+        n = len(t)
+        looping = False
+        for period in range(1, min(self.MAX_PERIOD, n - 1) + 1):
+            if t[n - 1 - period] == token:
+                runs[period] += 1
+                if runs[period] + period >= max(self.span, self.MIN_REPEATS * period):
+                    looping = True
+            else:
+                runs[period] = 0
+        return looping
 
 
 def _route_dtype(model: MoEModel) -> torch.dtype:
@@ -135,6 +168,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     reasons: list[str | None] = [None] * B
     texts: list[str | None] = [None] * B
     stop_ids = set(p.stop_token_ids)
+    guards = [LoopGuard(p.loop_span) for _ in range(B)] if p.loop_span > 0 else None
     fast = stepper(model)                             # the same step in C++, when it can
     for step in range(p.max_new_tokens):
         if should_stop is not None and should_stop():
@@ -157,6 +191,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                 on_token(b, tok_l[b], lp_l[b])
             if tok_l[b] in stop_ids:
                 reasons[b] = names.FINISH_EOS
+            elif guards is not None and guards[b].push(tok_l[b]):
+                reasons[b] = names.FINISH_LOOP
             elif p.stop:
                 text = decode(tokens[b])
                 found = [text.find(s) for s in p.stop if s and s in text]

@@ -34,6 +34,8 @@ class EngineConfig:
     dtype: str | None = None                # None = checkpoint dtype
     device: str = "cpu"
     prefix_cache_mb: int = 256              # keys/values of earlier calls reused (0 = off)
+    loop_span: int = 48                     # end a call that repeats itself this many tokens
+                                            # (`SamplingParams.loop_span`; 0 = off)
 
 
 class EnginePolicy:
@@ -81,7 +83,7 @@ class EnginePolicy:
         if room <= 0:
             raise ValueError(f"prompt of {prompt_len} tokens fills the context window ({self.context_window})")
         p = SamplingParams(max_new_tokens=min(max_new_tokens, room), temperature=c.temperature,
-                           top_p=c.top_p, top_k=c.top_k, seed=c.seed,
+                           top_p=c.top_p, top_k=c.top_k, seed=c.seed, loop_span=c.loop_span,
                            stop_token_ids=self.stop_token_ids)
         return replace(p, **kw)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agent_runtime.model import load_model
-from agent_runtime.model.generate import SamplingParams, _filter_logprobs, generate
+from agent_runtime.model.generate import LoopGuard, SamplingParams, _filter_logprobs, generate
 from tiny_checkpoints import VOCAB, save_hf_checkpoint
 
 
@@ -99,3 +99,31 @@ def test_cancel_stops_generation(model):
 def test_context_window_is_enforced(model):
     with pytest.raises(ValueError, match="context window"):
         generate(model, prompts(10), SamplingParams(max_new_tokens=model.args.max_position))
+
+
+def _first_loop(tokens, span):
+    guard = LoopGuard(span)
+    return next((i + 1 for i, t in enumerate(tokens) if guard.push(t)), None)
+
+
+def test_loop_guard_ends_at_the_span_for_short_periods():
+    assert _first_loop([5] * 20, 8) == 8                           # `in in in ...`
+    assert _first_loop([1, 2, 9, 7, 7, 3] + [4, 5, 6] * 10, 12) == 6 + 12
+    assert _first_loop(list(range(200)), 8) is None                # nothing repeats
+    assert _first_loop([1, 2, 3, 4] * 2 + [9] * 3, 8) is None      # 2 periods are not a loop
+    assert _first_loop([1, 2, 3, 4] * 3, 8) == 12                  # a 3rd period is
+    long = list(range(LoopGuard.MAX_PERIOD + 1))
+    assert _first_loop(long * 4, 8) is None                        # period too long to count
+    assert _first_loop([1, 1, 1, 2] * 5, 6) == 3 * 4               # runs restart on a break
+
+
+def test_a_looping_row_ends_with_finish_loop(tmp_path):
+    looping = load_model(save_hf_checkpoint("qwen3_moe", tmp_path), dtype="float32")
+    with torch.no_grad():
+        looping.norm.weight.zero_()               # every logit 0: greedy repeats token 0
+    p = prompts(6)
+    free = generate(looping, p, SamplingParams(max_new_tokens=30))[0]
+    assert free.tokens == [0] * 30 and free.finish_reason == "length"
+    g = generate(looping, p, SamplingParams(max_new_tokens=30, loop_span=8))[0]
+    assert g.tokens == [0] * 8 and g.finish_reason == "loop"
+    assert len(g.routes) == len(p[0]) + 8 - 1
