@@ -136,8 +136,11 @@ def build(ctx: Context) -> Draft:
         turns.append(reads(ctx, [f"tests/test_{mod}.py", path]))
     else:
         if path not in instruction or visible_target:   # find the function (and its test)
+            # the bare name: a leading `\\b` glues its `b` onto the name's first letters
+            # in the tokenizer's chunks (`\\bsum` is `\\`, `bs`, `um`), so copying the name
+            # from the task (`sum`) is a different token sequence and small models drop letters
             turns.append(turn(f"Let me find `{target.name}`.",
-                              call("grep", pattern=f"\\b{target.name}\\b")))
+                              call("grep", pattern=target.name)))
         turns.append(reads(ctx, [path] + ([f"tests/test_{mod}.py"] if visible_target else [])))
     fix = edit_call(modules[mod], bad, good, path, within=bad_code)
     turns.append(turn(f"The bug is {KIND_WORDS[bug.kind]} in `{target.name}`: `{bad.strip()}` "

@@ -107,7 +107,7 @@ def build(ctx: Context) -> Draft:
                      and not p.startswith("tests/"))
     turns = [turn(rng.choice(["First, every place the name appears.", "Let me find all uses.",
                               "Searching for the old name."]),
-                  call("grep", pattern=rf"\b{old}\b")),
+                  call("grep", pattern=old)),        # no \b: see fix_bug.py
              reads(ctx, touched),
              turn(rng.choice(["Renaming in each file.", "Now the rename, file by file.",
                               "Applying the rename everywhere it appears."]),
