@@ -28,8 +28,11 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
 _FENCE = re.compile(r"^```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?```$", re.DOTALL)
 _JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object", "null")
-FORMAT_HINT = ('Write each call as\n<tool_call>\n{"name": "<tool name>", "arguments": '
-               '{"<argument>": <value>, ...}}\n</tool_call>')
+# A concrete call, not `{"name": "<tool name>", ...}`: small models copy a placeholder name
+# verbatim, and then every call fails the same way.
+FORMAT_HINT = ('Write each call as one JSON object, for example\n<tool_call>\n'
+               '{"name": "read_file", "arguments": {"path": "README.md"}}\n</tool_call>')
+_NAMED = re.compile(r'^\s*\{\s*"name"\s*:\s*"([^"\\]+)"')
 
 
 @dataclass
@@ -143,6 +146,10 @@ def _error(index: int, why: str) -> str:
 def check_calls(calls: list[ToolCall], tools: dict[str, Any]) -> list[ToolCall]:
     """Set `error` on every call that names an unknown tool or has bad arguments."""
     for i, call in enumerate(calls):
+        if call.name is None and call.error and call.error.endswith(FORMAT_HINT):
+            named = _NAMED.match(call.raw)           # broken JSON, but we see which tool
+            if named and named.group(1) in tools:
+                call.error = call.error[:-len(FORMAT_HINT)] + usage(tools[named.group(1)])
         if call.error or call.name is None:
             continue
         tool = tools.get(call.name)

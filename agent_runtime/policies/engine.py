@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from agent_runtime import names
 from agent_runtime.model import MoEModel, load_model, load_tokenizer
 from agent_runtime.model.generate import Generation, SamplingParams, generate
 from agent_runtime.model.prefix_cache import PrefixCache
@@ -36,6 +37,9 @@ class EngineConfig:
     prefix_cache_mb: int = 256              # keys/values of earlier calls reused (0 = off)
     loop_span: int = 48                     # end a call that repeats itself this many tokens
                                             # (`SamplingParams.loop_span`; 0 = off)
+    loop_fallback: tuple[float, ...] = (0.7, 1.0)   # a call that ended in a loop is sampled
+                                            # again at each of these temperatures (above the
+                                            # configured one) until one does not loop
 
 
 class EnginePolicy:
@@ -136,18 +140,36 @@ class EnginePolicy:
         prompts = [self.render(m, t) for m, t in zip(conversations, tools)]
         skip = set(self.stop_token_ids)
         streams = [_TextStream(self.tokenizer, skip, sink) for sink in on_text]
-        gens, version = self._generate(
-            prompts, max_new_tokens or self.config.max_new_tokens,
-            on_token=lambda row, tok, lp: streams[row].push(tok),
-            row_should_stop=should_stop if any(should_stop) else None)
+        n_new = max_new_tokens or self.config.max_new_tokens
+        cancel = should_stop if any(should_stop) else None
+        gens, version = self._generate(prompts, n_new,
+                                       on_token=lambda row, tok, lp: streams[row].push(tok),
+                                       row_should_stop=cancel)
+        versions, temps = [version] * n, [self.config.temperature] * n
+        # Temperature fallback (as Whisper's decoder does): greedy decoding of a small model
+        # falls into loops it would fall into again from the same prompt, so a call the loop
+        # guard ended is sampled again, hotter. Only the last attempt is returned (and
+        # recorded), with the temperature its logprobs are of.
+        for t in self.config.loop_fallback:
+            redo = [i for i, g in enumerate(gens)
+                    if g.finish_reason == names.FINISH_LOOP and t > temps[i]]
+            if not redo:
+                continue
+            for i in redo:
+                streams[i].restart(f"\n[repeating itself: sampling again at temperature {t}]\n")
+            again, v = self._generate([prompts[i] for i in redo], n_new, temperature=t,
+                                      on_token=lambda row, tok, lp: streams[redo[row]].push(tok),
+                                      row_should_stop=[cancel[i] for i in redo] if cancel else None)
+            for i, gen in zip(redo, again):
+                gens[i], versions[i], temps[i] = gen, v, t
         out = []
-        for prompt, gen in zip(prompts, gens):
+        for prompt, gen, version, temperature in zip(prompts, gens, versions, temps):
             text = self.tokenizer.decode([t for t in gen.tokens if t not in skip])
             routes = gen.routes.numpy() if gen.routes is not None else None
             out.append(Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
                                   logprobs=gen.logprobs, routes=routes,
                                   finish_reason=gen.finish_reason, version=version,
-                                  temperature=self.config.temperature))
+                                  temperature=temperature))
         return out
 
     # -- weight updates ------------------------------------------------------------------
@@ -166,6 +188,12 @@ class _TextStream:
         self.sink, self.skip = sink, skip
         self.token_bytes = lambda t: tokenizer.decode_bytes([t])
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def restart(self, note: str) -> None:
+        """The call is generated again: say so, and start decoding afresh."""
+        self.decoder.reset()
+        if self.sink is not None:
+            self.sink(note)
 
     def push(self, token: int) -> None:
         if self.sink is None or token in self.skip:

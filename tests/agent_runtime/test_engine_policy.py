@@ -67,3 +67,24 @@ def test_agent_loop_on_the_engine_records_samples_that_decode_to_the_text(policy
         assert s["routes"].shape[0] == len(s["prompt_ids"]) + len(s["completion_ids"]) - 1
         text = policy.tokenizer.decode([t for t in s["completion_ids"] if t not in policy.stop_token_ids])
         assert m["content"].strip() in text
+
+
+def test_a_call_that_loops_is_sampled_again_hotter(tmp_path):
+    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
+    looping = load_policy(str(path), max_new_tokens=120, loop_span=16, seed=0)   # greedy
+    with torch.no_grad():
+        looping.model.norm.weight.zero_()        # every logit 0: greedy repeats token 0
+    looping.stop_token_ids = []                  # (which is a stop token here)
+    chunks = []
+    c = looping.complete(MESSAGES, on_text=chunks.append)
+    assert c.temperature == 0.7 and c.finish_reason != "loop"   # the first fallback did not loop
+    assert len(set(c.completion_ids)) > 1
+    assert "[repeating itself: sampling again at temperature 0.7]" in "".join(chunks)
+    assert abs(sum(c.logprobs) / len(c.logprobs) + torch.log(torch.tensor(
+        float(looping.model.args.vocab_size))).item()) < 1e-4   # uniform at T = 0.7 too
+    plain = load_policy(str(path), max_new_tokens=120, loop_span=16, loop_fallback=())
+    with torch.no_grad():
+        plain.model.norm.weight.zero_()
+    plain.stop_token_ids = []
+    c = plain.complete(MESSAGES)
+    assert c.finish_reason == "loop" and c.temperature == 0.0 and len(c.completion_ids) == 16

@@ -153,3 +153,13 @@ def test_fuzzed_text_never_raises_and_every_bad_call_explains_itself(text):
             assert c.error.startswith("Error in tool call") and len(c.error) > 40
             assert "<tool_call>" in c.error or "Available tools" in c.error \
                 or "Call it like this" in c.error or '"arguments"' in c.error
+
+
+def test_broken_json_naming_a_known_tool_shows_that_tools_usage():
+    text = '<tool_call>\n{"name": "edit_file", "arguments": {"path": "a.py", "old": "x\n'
+    [c] = check_calls(parse_tool_calls(text).calls, TOOLS)
+    assert c.name is None and "not valid JSON" in c.error
+    assert 'Call it like this:\n<tool_call>\n{"name": "edit_file", "arguments": {"path": ' in c.error
+    [c] = check_calls(parse_tool_calls('<tool_call>\n{"name": "frob", "x": \n').calls, TOOLS)
+    assert "not valid JSON" in c.error and '{"name": "read_file", "arguments": {"path": ' in c.error
+    assert "<tool name>" not in c.error                # a placeholder small models copy
