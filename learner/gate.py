@@ -119,7 +119,7 @@ class Gate:
                                     origin=ORIGIN_EVAL)
             calls = invalid = no_call = 0
             for e in episodes:
-                kinds = _call_kinds(store, e.session_id)
+                kinds = call_kinds(store, e.session_id)
                 calls += len(kinds)
                 invalid += kinds.count("invalid")
                 no_call += kinds.count("none")
@@ -166,7 +166,7 @@ class Gate:
         tmp.replace(self._cache_path())
 
 
-def _call_kinds(store: Any, session_id: str) -> list[str]:
+def call_kinds(store: Any, session_id: str) -> list[str]:
     """Per model call (assistant message, summaries excluded): "valid", "invalid" (a call
     that did not parse or names no tool) or "none" (no tool call at all)."""
     invalid = {r["message_id"] for r in store.tool_calls(session_id) if r["name"] == INVALID_CALL}
