@@ -96,6 +96,8 @@ class OnlineConfig:
     max_update: float = 1e-3        # trust region: relative L2 norm of one cycle's change
     max_changed: float = 0.03       # share of the weights one cycle may change (largest
                                     # changes against their bf16 spacing); 0 or 1: all
+    backtrack: int = 1              # a candidate the gate rejects is halved (its change
+                                    # from serving) and gated again, this many times at most
     max_staleness: int = 8          # samples more versions behind than this are dropped
     max_samples: int = 512          # samples per cycle at most (the oldest first)
     baseline_window: int = 256      # consumed samples the reward baseline averages over
@@ -158,7 +160,6 @@ class OnlineLearner:
 
     def _train_gate_publish(self, cycle_id: int, ids: list[int]) -> CycleResult:
         from agent_runtime import delta
-        from agent_runtime.policies import resolve_model_path
         rewards = sample_rewards(self.store, ids)
         serving_version, serving = self.serving_state()
         samples = self._train_samples(ids, rewards, serving_version)
@@ -178,13 +179,16 @@ class OnlineLearner:
         _sparsify_update(trainer.model, serving, self.config.max_changed)
         moved = _cap_update(trainer.model, serving, self.config.max_update)
         candidate = trainer.published_state()
+        _hold(self.dir, "training")
+        gate, scale, rejected = self._gate_backtracking(cycle_id, serving, serving_version,
+                                                        candidate)
+        if scale != 1.0:
+            candidate = _scaled(serving, candidate, scale)
         trainer.model.load_state_dict({k: v.float() for k, v in candidate.items()})
         after = _token_logprobs(trainer, samples)
         result.logprob_shift = _shifts(samples, before, after)
-        _hold(self.dir, "training")
-        gate = self.gate(resolve_model_path(self.config.model)).check(
-            serving, self.versions.info(serving_version).sha256, candidate)
-        result.gate = {**gate.to_json(), "update_norm": moved}
+        result.gate = {**gate.to_json(), "update_norm": moved * scale, "scale": scale,
+                       "rejected_first": rejected}
         if not gate.passed:
             log.warning("cycle %d rejected: %s", cycle_id, gate.reason)
             self._finish(cycle_id, names.CYCLE_REJECTED, consumed, result.gate, result,
@@ -206,6 +210,27 @@ class OnlineLearner:
         self._finish(cycle_id, names.CYCLE_PUBLISHED, consumed, result.gate, result,
                      version=version, reason=gate.reason)
         return result
+
+    def _gate_backtracking(self, cycle_id: int, serving: dict[str, torch.Tensor],
+                           serving_version: int, candidate: dict[str, torch.Tensor]
+                           ) -> tuple[Any, float, list[str]]:
+        """Gate the candidate; when rejected, gate serving + half its change, up to
+        `backtrack` times (the backtracking line search of TRPO: a step size that was too
+        large for this cycle's samples costs a smaller step, not the cycle). Returns the last
+        gate result, the scale it was for, and the reasons of the scales rejected before."""
+        from agent_runtime.policies import resolve_model_path
+        gate = self.gate(resolve_model_path(self.config.model))
+        sha = self.versions.info(serving_version).sha256
+        scale, rejected = 1.0, []
+        while True:
+            trial = candidate if scale == 1.0 else _scaled(serving, candidate, scale)
+            result = gate.check(serving, sha, trial)
+            if result.passed or len(rejected) >= self.config.backtrack:
+                return result, scale, rejected
+            rejected.append(result.reason)
+            log.info("cycle %d: the gate rejected %g x the change (%s); trying %g x",
+                     cycle_id, scale, result.reason, scale / 2)
+            scale /= 2
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -358,6 +383,14 @@ def _hold(state_dir: Path, phase: str) -> None:
 
 
 @torch.no_grad()
+def _scaled(serving: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
+            scale: float) -> dict[str, torch.Tensor]:
+    """serving + scale x (candidate - serving), in the published dtype (changes that round
+    back to the serving value disappear, so the delta only gets sparser)."""
+    return {k: (serving[k].float() + scale * (v.float() - serving[k].float())).to(v.dtype)
+            for k, v in candidate.items()}
+
+
 def _token_logprobs(trainer: Any, samples: list[TrainSample]) -> dict[int, torch.Tensor]:
     """id(sample) -> its completion tokens' logprobs under the trainer's current weights."""
     out: dict[int, torch.Tensor] = {}

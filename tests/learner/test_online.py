@@ -13,8 +13,9 @@ from online_support import INVALID, VALID, record_session  # noqa: E402
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 from agent_runtime.policies import load_policy  # noqa: E402
-from learner.gate import GateConfig  # noqa: E402
-from learner.online import OnlineConfig, OnlineLearner, _cap_update, _sparsify_update  # noqa: E402
+from learner.gate import GateConfig, GateResult  # noqa: E402
+from learner.online import (OnlineConfig, OnlineLearner, _cap_update, _scaled,  # noqa: E402
+                            _sparsify_update)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,3 +138,51 @@ def test_an_update_too_small_to_change_the_bf16_weights_publishes_nothing(store,
     online.config.trainer.optim.lr = 1e-12
     result = online.run_cycle()
     assert result.version is None and "does not change" in result.gate["reason"]
+
+
+class StepSizeGate:
+    """Passes a candidate only when no weight moved more than `limit` from serving (the
+    held-out evaluation's verdict, reduced to the one thing this test varies)."""
+
+    def __init__(self, limit: float):
+        self.limit, self.seen = limit, []
+
+    def check(self, serving, serving_sha, candidate):
+        moved = max(float((candidate[k].float() - serving[k].float()).abs().max()) for k in serving)
+        self.seen.append(moved)
+        if moved > self.limit:
+            return GateResult(False, f"moved {moved:.2e}")
+        return GateResult(True, "small enough")
+
+
+@pytest.mark.parametrize("backtrack", [0, 1])
+def test_a_rejected_candidate_is_halved_and_gated_again(store, ckpt, policy, backtrack, tmp_path):
+    from agent_runtime.store import SessionStore
+    sizing = SessionStore(tmp_path / "sizing")          # the same cycle, gated by nothing,
+    for s in (sizing, store):                           # to size the gate by its full step
+        s.add_feedback(1, session_id=record_session(s, policy, "fix it", VALID))
+    probe = learner(sizing, ckpt, max_update=0.0, backtrack=0)
+    probe._gate = StepSizeGate(float("inf"))
+    assert probe.run_cycle().version == 2
+    first = probe._gate.seen[0]
+    online = learner(store, ckpt, max_update=0.0, backtrack=backtrack)
+    online._gate = StepSizeGate(0.75 * first)
+    result = online.run_cycle()
+    assert online._gate.seen[0] == first                # the same step: rejected
+    if backtrack == 0:
+        assert result.version is None and result.gate["scale"] == 1.0
+        return
+    assert result.version == 2 and result.gate["scale"] == 0.5
+    assert result.gate["rejected_first"] == [f"moved {first:.2e}"]
+    assert 0 < online._gate.seen[1] <= 0.75 * first
+    full, half = probe.versions.state(2), online.versions.state(2)
+    serving = online.versions.state(1)
+    assert all(torch.equal(half[k], v) for k, v in _scaled(serving, full, 0.5).items())
+
+
+def test_scaling_a_change_keeps_unchanged_weights_and_halves_the_rest():
+    serving = {"w": torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)}
+    candidate = {"w": torch.tensor([1.0, 2.5, 2.0], dtype=torch.bfloat16)}
+    half = _scaled(serving, candidate, 0.5)["w"]
+    assert half.dtype == torch.bfloat16 and half.tolist() == [1.0, 2.25, 2.5]
+    assert torch.equal(_scaled(serving, candidate, 1.0)["w"], candidate["w"])
