@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -98,7 +99,9 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="default", help="checkpoint (default: the shipped one)")
     p.add_argument("--rounds", type=int, default=3, help="rated rounds, one cycle each")
     p.add_argument("--sessions", type=int, default=16, help="rated sessions per round")
-    p.add_argument("--probe", type=int, default=16, help="fixed sessions measuring behaviour")
+    p.add_argument("--probe", type=int, default=48, help="fixed sessions measuring behaviour "
+                   "(at the sessions' temperature: with 16, two measurements of one model "
+                   "differed by 31 points)")
     p.add_argument("--eval-n", type=int, default=16, help="held-out tasks for pass@1")
     p.add_argument("--gate-tasks", type=int, default=8, help="the gate's held-out tasks")
     p.add_argument("--max-steps", type=int, default=12)
@@ -109,6 +112,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-changed", type=float, default=0.03,
                    help="share of the weights one cycle may change")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per cycle")
+    p.add_argument("--backtrack", type=int, default=1,
+                   help="halvings of a rejected candidate, each gated again")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--sandbox", default=None)
     p.add_argument("--home", type=Path, default=None)
@@ -127,7 +132,7 @@ def main(argv=None) -> None:
     os.environ["APPRENTICE_HOME"] = str(home)
     store = SessionStore(home)
     config = OnlineConfig(model=args.model, steps=args.steps, max_update=args.max_update,
-                          max_changed=args.max_changed,
+                          max_changed=args.max_changed, backtrack=args.backtrack,
                           gate=GateConfig(n_tasks=args.gate_tasks, max_steps=args.max_steps,
                                           max_new_tokens=args.max_new_tokens,
                                           concurrency=args.concurrency, sandbox=args.sandbox))
@@ -161,13 +166,20 @@ def main(argv=None) -> None:
     after = measure(args, state, version, store, evaluator)
     print(f"after  (v{version}): {_row(after)}")
     ratios = [c["delta_ratio"] for c in cycles if c["delta_ratio"]]
-    print(f"liked {100 * (after['liked_rate'] - before['liked_rate']):+.1f} points, disliked "
+    se = math.hypot(_se(before["liked_rate"], args.probe), _se(after["liked_rate"], args.probe))
+    print(f"liked {100 * (after['liked_rate'] - before['liked_rate']):+.1f} points "
+          f"(standard error {100 * se:.1f}), disliked "
           f"{100 * (after['disliked_rate'] - before['disliked_rate']):+.1f} points, pass@1 "
           f"{100 * (after['pass_at_1'] - before['pass_at_1']):+.1f} points, invalid calls "
           f"{100 * (after['invalid_rate'] - before['invalid_rate']):+.1f} points; delta ratios "
           f"{', '.join(f'{x:.1f}x' for x in ratios) or '-'}; {time.monotonic() - t0:.0f}s")
     if args.json:
         print(json.dumps({"before": before, "after": after, "cycles": cycles}))
+
+
+def _se(rate: float, n: int) -> float:
+    """Standard error of a rate measured on n sessions."""
+    return math.sqrt(rate * (1 - rate) / max(n, 1))
 
 
 def _row(m: dict) -> str:
