@@ -107,11 +107,11 @@ def main(argv=None) -> None:
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0, help="sessions' sampling")
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--max-update", type=float, default=1e-3)
-    p.add_argument("--max-changed", type=float, default=0.03,
+    p.add_argument("--lr", type=float, default=None, help="default: the learner's")
+    p.add_argument("--max-update", type=float, default=None)
+    p.add_argument("--max-changed", type=float, default=None,
                    help="share of the weights one cycle may change")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps per cycle")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per cycle")
     p.add_argument("--backtrack", type=int, default=1,
                    help="halvings of a rejected candidate, each gated again")
     p.add_argument("--concurrency", type=int, default=4)
@@ -131,12 +131,15 @@ def main(argv=None) -> None:
     home = args.home or Path(tempfile.mkdtemp(prefix="apprentice-online-bench-"))
     os.environ["APPRENTICE_HOME"] = str(home)
     store = SessionStore(home)
-    config = OnlineConfig(model=args.model, steps=args.steps, max_update=args.max_update,
-                          max_changed=args.max_changed, backtrack=args.backtrack,
+    tuning = {k: v for k, v in [("steps", args.steps), ("max_update", args.max_update),
+                                ("max_changed", args.max_changed)] if v is not None}
+    config = OnlineConfig(model=args.model, backtrack=args.backtrack, **tuning,
                           gate=GateConfig(n_tasks=args.gate_tasks, max_steps=args.max_steps,
                                           max_new_tokens=args.max_new_tokens,
                                           concurrency=args.concurrency, sandbox=args.sandbox))
-    config.trainer.optim.lr, config.trainer.temperature = args.lr, args.temperature
+    config.trainer.temperature = args.temperature
+    if args.lr is not None:
+        config.trainer.optim.lr = args.lr
     learner = OnlineLearner(store, config)
     evaluator = Gate(args.model, home / "bench-eval",
                      GateConfig(n_tasks=args.eval_n, seed=1, max_steps=args.max_steps,

@@ -48,13 +48,13 @@ def _online_config(model: str, versions_dir: Path | None, lr: float | None,
 def _tuning_options(fn):
     for option in reversed([
         click.option("--lr", type=click.FloatRange(0, min_open=True), default=None,
-                     help="AdamW learning rate of the update (default 1e-5)."),
+                     help="AdamW learning rate of the update (default 2e-4)."),
         click.option("--max-update", type=click.FloatRange(0), default=None,
-                     help="Cap on one cycle's weight change, relative L2 norm (default 1e-3; "
+                     help="Cap on one cycle's weight change, relative L2 norm (default 5e-3; "
                           "0 = no cap)."),
         click.option("--max-changed", type=click.FloatRange(0, 1), default=None,
                      help="Share of the weights one cycle may change: the largest changes "
-                          "against their bf16 spacing (default 0.03; 1 = all). Smaller "
+                          "against their bf16 spacing (default 0.02; 1 = all). Smaller "
                           "deltas to ship to runtimes."),
         click.option("--gate-tasks", type=click.IntRange(0), default=None,
                      help="Held-out simulated tasks the gate runs (default 8; 0 = no gate)."),
