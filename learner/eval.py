@@ -98,7 +98,8 @@ def policy_factory(spec: str, max_new_tokens: int = 512,
     if spec.startswith("replay:"):
         return lambda task: load_policy(spec)
     from agent_runtime.policies.batching import BatchingPolicy
-    model = load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens)
+    model = load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens,
+                        seed=0)       # the loop fallback's resampling, reproducible
     if context_window:
         model.context_window = min(context_window, model.context_window)
     policy = BatchingPolicy(model)

@@ -132,8 +132,10 @@ class Gate:
         if self._policy is None:
             from agent_runtime.policies.batching import BatchingPolicy
             from agent_runtime.policies.engine import EnginePolicy
+            # greedy; seed 0 makes the engine's loop fallback (a call that looped is
+            # sampled again) draw the same for serving and candidate alike
             engine = EnginePolicy.load(self.model_path, temperature=0.0, dtype="bfloat16",
-                                       max_new_tokens=self.config.max_new_tokens)
+                                       max_new_tokens=self.config.max_new_tokens, seed=0)
             self._engine = engine
             self._policy = BatchingPolicy(engine) if self.config.concurrency > 1 else engine
         return self._policy

@@ -66,8 +66,8 @@ def _shard(args: tuple) -> list[dict]:
 
     torch.set_num_threads(config.threads)
     device = pick_device(config.device)
-    engine = EnginePolicy.load(str(model_dir), device=device, temperature=0.0,
-                               max_new_tokens=config.max_new_tokens)
+    engine = EnginePolicy.load(str(model_dir), device=device, temperature=0.0, seed=0,
+                               max_new_tokens=config.max_new_tokens)   # seed: the loop fallback
     if config.context_window:
         engine.context_window = min(config.context_window, engine.context_window)
     policy = BatchingPolicy(engine, max_batch=max(1, config.concurrency))
