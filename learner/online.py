@@ -192,10 +192,8 @@ class OnlineLearner:
         moved = _cap_update(trainer.model, serving, self.config.max_update)
         candidate = trainer.published_state()
         _hold(self.dir, "training")
-        gate, scale, rejected = self._gate_backtracking(cycle_id, serving, serving_version,
-                                                        candidate)
-        if scale != 1.0:
-            candidate = _scaled(serving, candidate, scale)
+        gate, candidate, scale, rejected = self._gate_backtracking(
+            cycle_id, serving, serving_version, candidate)
         trainer.model.load_state_dict({k: v.float() for k, v in candidate.items()})
         after = _token_logprobs(trainer, samples)
         result.logprob_shift = _shifts(samples, before, after)
@@ -225,11 +223,12 @@ class OnlineLearner:
 
     def _gate_backtracking(self, cycle_id: int, serving: dict[str, torch.Tensor],
                            serving_version: int, candidate: dict[str, torch.Tensor]
-                           ) -> tuple[Any, float, list[str]]:
+                           ) -> tuple[Any, dict[str, torch.Tensor], float, list[str]]:
         """Gate the candidate; when rejected, gate serving + half its change, up to
         `backtrack` times (the backtracking line search of TRPO: a step size that was too
         large for this cycle's samples costs a smaller step, not the cycle). Returns the last
-        gate result, the scale it was for, and the reasons of the scales rejected before."""
+        gate result, the state it gated, its scale, and the reasons of the scales rejected
+        before."""
         from agent_runtime.policies import resolve_model_path
         gate = self.gate(resolve_model_path(self.config.model))
         sha = self.versions.info(serving_version).sha256
@@ -238,7 +237,7 @@ class OnlineLearner:
             trial = candidate if scale == 1.0 else _scaled(serving, candidate, scale)
             result = gate.check(serving, sha, trial)
             if result.passed or len(rejected) >= self.config.backtrack:
-                return result, scale, rejected
+                return result, trial, scale, rejected
             rejected.append(result.reason)
             log.info("cycle %d: the gate rejected %g x the change (%s); trying %g x",
                      cycle_id, scale, result.reason, scale / 2)
@@ -403,6 +402,7 @@ def _scaled(serving: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor]
             for k, v in candidate.items()}
 
 
+@torch.no_grad()
 def _token_logprobs(trainer: Any, samples: list[TrainSample]) -> dict[int, torch.Tensor]:
     """id(sample) -> its completion tokens' logprobs under the trainer's current weights."""
     out: dict[int, torch.Tensor] = {}
