@@ -56,6 +56,8 @@ class SFTConfig:
                                     # (names that look alike: `orders.cli orders.csv`)
     copy_share: float = 0.0         # share of the training sequences that are copy windows
                                     # (`pretrain.copy_window`, as long as the episodes)
+    slip_share: float = 0.0         # share of the episodes with one slip and its recovery
+                                    # (`with_slip`; the slip itself is not trained on)
     device: str = "auto"            # "auto": cuda when available, else cpu
     seed: int = 0                   # episode windows and batch order
 
@@ -64,11 +66,16 @@ class SFTConfig:
 
 class RecordingOracle(OraclePolicy):
     """`OraclePolicy` counting and rendering with a model's tokenizer and chat template, and
-    answering summary requests with a summary of the conversation so far."""
+    answering summary requests with a summary of the conversation so far. With `slip`, one
+    turn of its plan is first played with a copying mistake (`with_slip`); `slips` holds the
+    texts of such turns, which the data masks out."""
 
-    def __init__(self, task, tokenizer, template, context_window: int):
+    def __init__(self, task, tokenizer, template, context_window: int, slip: bool = False):
         super().__init__(task, context_window=context_window)
         self.tokenizer, self.template = tokenizer, template
+        self.slips: set[str] = set()
+        if slip:
+            self.turns, self.slips = with_slip(self.turns, random.Random(task.id))
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
@@ -76,7 +83,8 @@ class RecordingOracle(OraclePolicy):
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, **kw):
         if messages and messages[-1].get("kind") == SUMMARY_REQUEST and not self.summaries:
-            self.summaries.append(summarize(messages, self.turns))
+            self.summaries.append(summarize(messages, [t for t in self.turns
+                                                       if t not in self.slips]))
         return super().complete(messages, tools, **kw)
 
 
@@ -114,11 +122,62 @@ def summarize(messages: list[dict], plan: list[str]) -> str:
             + f"\n## Next steps\n{step or 'Continue with the task.'}")
 
 
+RECOVER_SAY = {
+    "edit_file": ["That text was not exact; copying `old` from the file this time.",
+                  "The edit did not match. Copying the exact lines the error shows.",
+                  "`old` must match the file exactly; trying again with the right text."],
+    "read_file": ["Wrong path. Reading the right file.",
+                  "That file does not exist; the path is a different one.",
+                  "I mistyped the path; reading it again."],
+}
+
+
+def _garble(text: str, rng: random.Random) -> str:
+    """`text` with one letter dropped or doubled (a copying mistake), or "" when it has none."""
+    spots = [i for i, ch in enumerate(text) if ch.isalpha()]
+    if not spots:
+        return ""
+    i = rng.choice(spots)
+    return text[:i] + text[i + 1:] if rng.random() < 0.5 else text[:i] + text[i] + text[i:]
+
+
+def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]]:
+    """The oracle's turns with one slip inserted: before a turn that edits or reads a file, a
+    turn making only that call with its `old` text or path garbled (the tool then answers with
+    an error: `old` not found and the closest text, or no such file), and the turn itself
+    opening with a sentence that recovers. Teaches reading the error and copying again; the
+    slip turn is returned in the set so the data does not train on it. Unchanged turns and an
+    empty set when no turn qualifies."""
+    from agent_runtime.toolcalls import parse_tool_calls
+    from learner.tasks.oracle import render_turn
+    spots = []
+    for i, text in enumerate(turns):
+        for call in parse_tool_calls(text).calls:
+            field = {"edit_file": "old", "read_file": "path"}.get(call.name)
+            if field and len(str((call.arguments or {}).get(field, ""))) >= 6:
+                spots.append((i, call, field))
+    if not spots:
+        return turns, set()
+    i, call, field = rng.choice(spots)
+    args = dict(call.arguments)
+    head, _, base = args[field].rpartition("/") if field == "path" else ("", "", args[field])
+    garbled = _garble(base, rng)
+    if not garbled:
+        return turns, set()
+    args[field] = f"{head}/{garbled}" if head else garbled
+    say = turns[i].split("<tool_call>", 1)[0].strip()
+    slip = render_turn(say, [{"name": call.name, "arguments": args}])
+    recover = rng.choice(RECOVER_SAY[call.name])
+    fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
+    return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
+
+
 # -- collecting ---------------------------------------------------------------------------------
 
 def _collect_chunk(args: tuple) -> dict:
     """Run the oracle on some tasks (one process); return their sequences and counts."""
-    tokenizer_dir, numbers, windows, task_seed = args
+    tokenizer_dir, numbers, windows, task_seed, *rest = args
+    slipped = set(rest[0]) if rest else set()
     from agent_runtime.model import load_tokenizer
     from agent_runtime.model.chat_template import ChatTemplate
     from agent_runtime.store import SessionStore
@@ -129,12 +188,13 @@ def _collect_chunk(args: tuple) -> dict:
     template = ChatTemplate.from_pretrained(tokenizer_dir)
     eos = tok.special_tokens["<|im_end|>"]
     all_tasks = sim.generate("train", max(numbers) + 1, seed=task_seed)
-    out = {"seqs": [], "episodes": 0, "passed": 0, "samples": 0, "merged": 0, "summaries": 0}
+    out = {"seqs": [], "episodes": 0, "passed": 0, "samples": 0, "merged": 0, "summaries": 0,
+           "slips": 0}
     with tempfile.TemporaryDirectory(prefix="apprentice-sft-") as home:
         store = SessionStore(home)
         for number, window in zip(numbers, windows):
             task = all_tasks[number]
-            policy = RecordingOracle(task, tok, template, window)
+            policy = RecordingOracle(task, tok, template, window, slip=number in slipped)
             try:
                 ep = run_episode(policy, task, store, max_steps=30)
             except Exception:                   # a broken instance must not stop the stage
@@ -146,19 +206,24 @@ def _collect_chunk(args: tuple) -> dict:
             samples = store.samples(ep.session_id)
             out["samples"] += len(samples)
             out["summaries"] += len({s["segment"] for s in samples}) - 1
-            seqs, merged = merge_samples(samples, eos)
+            skip = [tok.decode(list(s["completion_ids"])) in policy.slips for s in samples]
+            out["slips"] += sum(skip)
+            seqs, merged = merge_samples(samples, eos, skip)
             out["merged"] += merged
             out["seqs"].extend(seqs)
         store.close()
     return out
 
 
-def merge_samples(samples: list[dict], eos: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+def merge_samples(samples: list[dict], eos: int, skip: list[bool] | None = None
+                  ) -> tuple[list[tuple[list[int], list[int]]], int]:
     """(token ids, loss mask) sequences from a session's samples; returns them and how many
-    samples were appended to the sequence before them instead of starting a new one."""
+    samples were appended to the sequence before them instead of starting a new one. Samples
+    flagged in `skip` stay in the sequence as context but are not trained on."""
     seqs: list[tuple[list[int], list[int]]] = []
     merged = 0
-    for s in samples:
+    for n, s in enumerate(samples):
+        train = 0 if skip and skip[n] else 1
         prompt, completion = list(s["prompt_ids"]), list(s["completion_ids"])
         if s["finish_reason"] in (names.FINISH_STOP, names.FINISH_EOS) and (not completion or completion[-1] != eos):
             completion.append(eos)
@@ -166,10 +231,10 @@ def merge_samples(samples: list[dict], eos: int) -> tuple[list[tuple[list[int], 
             ids, mask = seqs[-1]
             extra = prompt[len(ids):]
             ids.extend(extra + completion)
-            mask.extend([0] * len(extra) + [1] * len(completion))
+            mask.extend([0] * len(extra) + [train] * len(completion))
             merged += 1
         else:
-            seqs.append((prompt + completion, [0] * len(prompt) + [1] * len(completion)))
+            seqs.append((prompt + completion, [0] * len(prompt) + [train] * len(completion)))
     return seqs, merged
 
 
@@ -178,9 +243,11 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig) -> dict:
     rng = random.Random(config.seed)
     windows = [rng.randint(*config.small_window) if rng.random() < config.summary_share
                else config.context_window for _ in range(config.tasks)]
+    slipped = [n for n in range(config.tasks) if rng.random() < config.slip_share]
     numbers = list(range(config.tasks))
     k = config.workers or max(1, (os.cpu_count() or 2) - 1)
-    chunks = [(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed) for i in range(k)]
+    chunks = [(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped)
+              for i in range(k)]
     if k == 1:
         parts = [_collect_chunk(chunks[0])]
     else:
@@ -189,7 +256,7 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig) -> dict:
     seqs = [s for p in parts for s in p["seqs"]]
     save_sequences(out, seqs)
     stats = {key: sum(p[key] for p in parts) for key in ("episodes", "passed", "samples",
-                                                         "merged", "summaries")}
+                                                         "merged", "summaries", "slips")}
     stats.update(sequences=len(seqs), tokens=sum(len(s[0]) for s in seqs),
                  trained_tokens=sum(sum(s[1]) for s in seqs))
     return stats
