@@ -157,6 +157,58 @@ def test_sft_data_comes_from_the_real_agent_loop(tok_dir, tmp_path, monkeypatch)
     assert '"name": "finish"' in trained and "<tool_response>" not in trained
 
 
+def test_a_skipped_sample_stays_as_context_but_is_not_trained_on():
+    eos = 99
+    samples = [
+        {"prompt_ids": [1, 2], "completion_ids": [10, eos], "finish_reason": "eos"},
+        {"prompt_ids": [1, 2, 10, eos, 3], "completion_ids": [11, eos], "finish_reason": "eos"},
+    ]
+    (ids, mask), = merge_samples(samples, eos, [True, False])[0]
+    assert ids == [1, 2, 10, eos, 3, 11, eos]
+    assert [t for t, m in zip(ids, mask) if m] == [11, eos]
+
+
+def test_a_slip_garbles_one_call_and_the_turn_after_it_recovers():
+    from agent_runtime.toolcalls import parse_tool_calls
+    from learner.recipe.sft import with_slip
+    from learner.tasks.oracle import render_turn
+    turns = [render_turn("Reading.", [{"name": "read_file", "arguments": {"path": "pkg/mod.py"}}]),
+             render_turn("Fixing.", [{"name": "edit_file", "arguments": {
+                 "path": "pkg/mod.py", "old": "return a - b", "new": "return a + b"}}]),
+             render_turn("Done.", [{"name": "finish", "arguments": {"summary": "ok"}}])]
+    seen = set()
+    for seed in range(20):
+        out, slips = with_slip(turns, random.Random(seed))
+        assert len(out) == 4 and len(slips) == 1
+        i = next(j for j, t in enumerate(out) if t in slips)
+        slip, = parse_tool_calls(out[i]).calls
+        fixed = parse_tool_calls(out[i + 1]).calls
+        planned = parse_tool_calls(turns[i]).calls                # the recovery is the plan's call
+        assert [(c.name, c.arguments) for c in fixed] == [(c.name, c.arguments) for c in planned]
+        field = "old" if slip.name == "edit_file" else "path"
+        assert slip.name == fixed[0].name and slip.arguments[field] != fixed[0].arguments[field]
+        assert abs(len(slip.arguments[field]) - len(fixed[0].arguments[field])) == 1
+        assert not out[i + 1].startswith(out[i].split("<tool_call>")[0])   # a new sentence
+        assert out[:i] + out[i + 2:] == turns[:i] + turns[i + 1:]
+        seen.add(slip.name)
+    assert seen == {"read_file", "edit_file"}
+    finish_only = turns[2:]
+    assert with_slip(finish_only, random.Random(0)) == (finish_only, set())
+
+
+def test_slipped_episodes_pass_and_mask_the_slip(tok_dir, monkeypatch):
+    from learner.recipe import sft
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    out = sft._collect_chunk((str(tok_dir), [1, 2], [10**6] * 2, 0, [1, 2]))
+    assert out["passed"] == 2 and out["slips"] == 2
+    tok = load_tokenizer(tok_dir)
+    for ids, mask in out["seqs"]:
+        text = tok.decode(ids)
+        trained = tok.decode([t for t, m in zip(ids, mask) if m])
+        assert "does not exist" in text or "was not found" in text     # the tool saw the slip
+        assert text.count("<|im_start|>assistant") == trained.count("<|im_end|>") + 1
+
+
 def test_repeated_spans_copy_the_window_itself_and_are_fixed_by_the_step():
     row = torch.arange(1000, 1300)
     out = with_repeats(row, torch.Generator().manual_seed(3))
