@@ -48,6 +48,8 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per training forward
                                     # and backward: bounds activation memory; a longer sample
                                     # goes alone. The gradient does not depend on it
+    share_rows: bool = True         # the calls of one conversation share a row of the training
+                                    # forward (fed once, scored per call); off: a row per call
 
 
 @dataclass

@@ -117,70 +117,90 @@ class Trainer:
 
     def forward_batch(self, samples: Sequence[TrainSample], replay: bool | None = None,
                       model: MoEModel | None = None) -> list[ForwardOut]:
-        """`forward` of several samples in one right-padded forward: every row starts at
-        position 0, so causal attention keeps real tokens from seeing the padding that follows
-        them and no attention mask is needed. Padding feeds token 0 (routed to expert 0 under
-        replay); its logits and router choices are dropped."""
+        """`forward` of several samples in one right-padded forward. The model calls of one
+        episode share a row: when a sample's prompt extends an earlier sample's prompt and
+        completion (the next call of the same conversation), it is scored in that sample's row
+        instead of feeding the whole conversation again (`_rows`), so an episode of n calls
+        costs about one forward of its last call instead of n. Under replay, every position of
+        a row takes the routes recorded by the first sample that fed it (a completion token's
+        own decode). Every row starts at position 0, so causal attention keeps real tokens
+        from seeing the padding that follows them and no attention mask is needed. Padding
+        feeds token 0 (routed to expert 0 under replay); logits are computed only where a
+        completion token is scored."""
         if not samples:
             return []
         model = model or self.model
         replay = self.config.router_replay if replay is None else replay
         recorded = [_recorded_routes(s, self.config.device) for s in samples]
         with_routes = [r is not None for r in recorded]
-        if replay and any(with_routes) and not all(with_routes):     # replay is per forward
+        if any(with_routes) and not all(with_routes):   # replay (and the flip count) per forward
             parts = [[i for i, w in enumerate(with_routes) if w == side] for side in (True, False)]
             outs = [self.forward_batch([samples[i] for i in part], replay, model) for part in parts]
             merged = dict(zip(parts[0] + parts[1], outs[0] + outs[1]))
             return [merged[i] for i in range(len(samples))]
         dev = self.config.device
-        P = [len(s.prompt_ids) for s in samples]
-        T = [len(s.completion_ids) for s in samples]
-        fed = [list(s.prompt_ids) + list(s.completion_ids[:-1]) for s in samples]
-        if min(P) < 1:
+        if min(len(s.prompt_ids) for s in samples) < 1:
             raise ValueError("every sample needs at least one prompt token")
-        B, S = len(samples), max(map(len, fed))
+        rows = _rows(samples, self.config.share_rows)
+        B, S = len(rows), max(_fed_len(samples[row[-1]]) for row in rows)
         ids = torch.zeros(B, S, dtype=torch.long)                            # [B, S]
-        for b, row in enumerate(fed):
-            ids[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        scored = torch.zeros(B, S, dtype=torch.bool)
         routes = None
-        if replay and all(with_routes):
+        if all(with_routes):
             routes = torch.zeros((B, S) + recorded[0].shape[1:], dtype=torch.long, device=dev)
-            for b, r in enumerate(recorded):
-                routes[b, :len(r)] = r                                       # [B, S, L, k]
+        owner = torch.full((B, S), -1, dtype=torch.long)   # the sample each position counts for
+        for b, row in enumerate(rows):
+            last = samples[row[-1]]
+            fed = list(last.prompt_ids) + list(last.completion_ids[:-1])
+            ids[b, :len(fed)] = torch.tensor(fed, dtype=torch.long)
+            for i in reversed(row):                        # the first sample to feed a position
+                n = _fed_len(samples[i])                   # owns it (and its routes)
+                owner[b, :n] = i
+                if routes is not None:
+                    routes[b, :n] = recorded[i]
+            for i in row:
+                P, T = len(samples[i].prompt_ids), len(samples[i].completion_ids)
+                scored[b, P - 1:P - 1 + T] = True                          # [B, S]
         chosen: list[torch.Tensor] = []
-        p0 = min(P)                            # row b's completion logits start at P[b] - 1
-        keep = S - p0 + 1                      # kept: positions p0 - 1 .. S - 1
         with self._router_choices(chosen) if model is self.model else contextlib.nullcontext():
-            out = model(ids.to(dev), routes=routes, logits_to_keep=keep)
-        rows = [out.logits[b, P[b] - p0:P[b] - p0 + T[b]] for b in range(B)]
-        temps = torch.tensor([_scale(s.temperature, self.config.temperature) for s in samples
-                              for _ in range(len(s.completion_ids))], device=dev)
-        logits = torch.cat(rows).float() / temps[:, None]                    # [sum T, V]
-        target = torch.tensor([t for s in samples for t in s.completion_ids],
+            out = model(ids.to(dev), routes=routes if replay else None, logits_at=scored.to(dev))
+        # logits come row by row, position by position: each row's samples in their order
+        order = [i for row in rows for i in row]
+        T = [len(samples[i].completion_ids) for i in order]
+        temps = torch.tensor([_scale(samples[i].temperature, self.config.temperature)
+                              for i, t in zip(order, T) for _ in range(t)], device=dev)
+        logits = out.logits.float() / temps[:, None]                         # [sum T, V]
+        target = torch.tensor([t for i in order for t in samples[i].completion_ids],
                               dtype=torch.long, device=dev)
         lp = logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]        # [sum T]
-        own = torch.stack(chosen, dim=1).view(B, S, len(chosen), -1) if chosen else None
-        outs = []
-        for b, (lp_b, rec) in enumerate(zip(lp.split(T), recorded)):
-            flips = routed = 0
-            if rec is not None and own is not None:
-                differ = (own[b, :len(rec)].sort(-1).values != rec.sort(-1).values).any(-1)
-                flips, routed = int(differ.sum()), differ.numel()            # [S_b, L]
-            outs.append(ForwardOut(lp_b, flips, routed))
-        return outs
+        by_sample = dict(zip(order, lp.split(T)))
+        flips = [0] * len(samples)
+        routed = [0] * len(samples)
+        if routes is not None and chosen:
+            own = torch.stack(chosen, dim=1).view(B, S, len(chosen), -1)
+            differ = (own.sort(-1).values != routes.sort(-1).values).any(-1)  # [B, S, L]
+            for b, row in enumerate(rows):
+                for i in row:
+                    mine = owner[b] == i
+                    flips[i] += int(differ[b][mine.to(dev)].sum())
+                    routed[i] += int(mine.sum()) * differ.shape[-1]
+        return [ForwardOut(by_sample[i], flips[i], routed[i]) for i in range(len(samples))]
 
     def micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-        """`samples` shortest first, packed greedily into micro-batches of at most
-        `micro_batch_tokens` padded tokens (rows x longest fed length); a longer sample goes
-        alone."""
+        """`samples` in rows (`_rows`: the calls of one conversation share one), shortest
+        row first, packed greedily into micro-batches of at most `micro_batch_tokens` padded
+        tokens (rows x longest row); a longer row goes alone."""
         budget = self.config.micro_batch_tokens
-        batches: list[list[TrainSample]] = []
-        for s in sorted(samples, key=_fed_len):
-            if batches and (len(batches[-1]) + 1) * _fed_len(s) <= budget:
-                batches[-1].append(s)
+        rows = sorted(_rows(samples, self.config.share_rows),
+                      key=lambda row: _fed_len(samples[row[-1]]))
+        batches: list[list[list[int]]] = []
+        for row in rows:
+            n = _fed_len(samples[row[-1]])
+            if batches and (len(batches[-1]) + 1) * n <= budget:
+                batches[-1].append(row)
             else:
-                batches.append([s])
-        return batches
+                batches.append([row])
+        return [[samples[i] for row in batch for i in row] for batch in batches]
 
     @torch.no_grad()
     def measure(self, samples: Sequence[TrainSample], replay: bool | None = None) -> dict:
@@ -375,6 +395,28 @@ def _scale(recorded: float | None, configured: float) -> float:
     (`TrainSample.temperature`; 0 = greedy, recorded unscaled), else the configured one."""
     t = configured if recorded is None else recorded
     return t if t > 0 else 1.0
+
+
+def _rows(samples: Sequence[TrainSample], share: bool = True) -> list[list[int]]:
+    """Indices of `samples` grouped into rows: a sample joins the row whose last sample's
+    prompt + completion its own prompt starts with (a later call of the same conversation),
+    else it starts a row. A row's last sample feeds every token the row needs. Without
+    `share`, every sample is a row of its own."""
+    if not share:
+        return [[i] for i in range(len(samples))]
+    rows: list[list[int]] = []
+    for i, s in enumerate(samples):
+        prompt = s.prompt_ids
+        for row in rows:
+            last = samples[row[-1]]
+            P, T = len(last.prompt_ids), len(last.completion_ids)
+            if len(prompt) >= P + T and T and list(prompt[:P]) == list(last.prompt_ids) \
+                    and list(prompt[P:P + T]) == list(last.completion_ids):
+                row.append(i)
+                break
+        else:
+            rows.append([i])
+    return rows
 
 
 def _fed_len(sample: TrainSample) -> int:

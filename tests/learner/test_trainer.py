@@ -150,6 +150,47 @@ def test_batched_forward_mixes_samples_with_and_without_routes(ckpt, tmp_path):
     assert batched[1].routed == 0 and batched[0].routed > 0
 
 
+def conversation(ckpt, calls=3, tokens=8, seed=0) -> list[TrainSample]:
+    """The model calls of one conversation: each prompt is the previous prompt, its
+    completion and a tool result, as the agent loop feeds them."""
+    policy = load_policy(str(ckpt), dtype="float32", temperature=1.0, max_new_tokens=tokens)
+    torch.manual_seed(seed)
+    prompt = policy.tokenizer.encode(PROMPTS[0])
+    out = []
+    for i in range(calls):
+        g = policy.generate(prompt, tokens)
+        out.append(TrainSample(list(prompt), g.tokens, g.logprobs, np.asarray(g.routes),
+                               policy.version, advantage=1.0))
+        prompt = list(prompt) + g.tokens + policy.tokenizer.encode(f"\nresult {i}\n")
+    return out
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_the_calls_of_one_conversation_share_a_row(ckpt, tmp_path, replay):
+    from learner.trainer import _fed_len, _rows
+    chain = conversation(ckpt)
+    other = rollouts(ckpt, n=1, seed=3)[0]
+    samples = [chain[0], other, chain[1], chain[2]]
+    assert _rows(samples) == [[0, 2, 3], [1]]
+    first = _fed_len(chain[0])
+    assert np.array_equal(chain[1].routes[:first], chain[0].routes)   # one prefix, one route
+    t = trainer(ckpt, tmp_path)
+    perturb(t.model)
+    packed = t.forward_batch(samples, replay=replay)
+    single = [t.forward(s, replay=replay) for s in samples]
+    for b, o, s in zip(packed, single, samples):
+        assert b.logprobs.shape == (len(s.completion_ids),)
+        assert (b.logprobs - o.logprobs).abs().max() < 1e-5
+    L = chain[0].routes.shape[1]
+    assert [packed[i].routed for i in (0, 2, 3)] == [
+        first * L, (_fed_len(chain[1]) - first) * L, (_fed_len(chain[2]) - _fed_len(chain[1])) * L]
+    assert packed[1].routed == single[1].routed                # a position counts once
+    assert sum(o.flips for o in packed) <= sum(o.flips for o in single)
+    batches = t.micro_batches(samples)
+    assert sorted(len(b) for b in batches) in ([1, 3], [4])    # the conversation stays together
+    assert any(len(b) >= 3 and all(c in b for c in chain) for b in batches)
+
+
 def test_micro_batches_respect_the_token_budget(ckpt, tmp_path):
     samples = ragged(rollouts(ckpt, n=6))
     fed = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]

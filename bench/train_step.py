@@ -1,0 +1,104 @@
+"""A GRPO training step on real agent episodes: the calls of one conversation sharing a row of
+the training forward (the trainer's default) against one row per call, in one run.
+
+An agent episode is a conversation of many model calls, and each call's prompt is the whole
+conversation so far: fed one row per call, the trainer runs the system prompt and every tool
+result again for every later call. Sharing a row feeds the last call's tokens once and scores
+every call's completion at its own positions (`learner.trainer._rows`). This rolls out a group
+of the default model's episodes on held-out tasks at temperature 1 (recorded with routes, as
+the GRPO pipeline records them), gives them alternating advantages, then times
+`Trainer.step` on them with `share_rows` on and off, interleaved, from the same weights each
+time. It prints the tokens each way feeds, the step times, the largest difference of the
+training logprobs between the two ways (router replay on), and the speed-up (off / on) last.
+
+    python bench/train_step.py                        # the shipped model, 8 episodes, 3 rounds
+    python bench/train_step.py --model DIR -n 4 --max-steps 4 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def episodes(args, home: Path) -> list:
+    """Samples of `args.n` recorded episodes, each with an advantage of +1 or -1."""
+    from agent_runtime.policies import load_policy
+    from agent_runtime.policies.batching import BatchingPolicy
+    from agent_runtime.store import SessionStore
+    from learner.eval import evaluate, resolve_tasks
+    from learner.grpo import Episode, Group, group_samples
+
+    engine = load_policy(args.model, temperature=1.0, max_new_tokens=args.max_new_tokens)
+    policy = BatchingPolicy(engine)
+    store = SessionStore(home)
+    tasks = resolve_tasks("sim-heldout", args.n)
+    report = evaluate(tasks, lambda _t: policy, store, concurrency=args.n,
+                      max_steps=args.max_steps)
+    eps = [Episode(e.session_id, reward=float(i % 2)) for i, e in enumerate(report.episodes)]
+    group = Group("bench", eps, [store.samples(e.session_id) for e in eps])
+    return group_samples(group)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("-n", type=int, default=8, help="episodes (held-out tasks)")
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from agent_runtime.model import load_model
+    from agent_runtime.policies.base import resolve_model_path
+    from learner.config import OptimConfig, TrainerConfig
+    from learner.trainer import Trainer, _fed_len, _rows
+
+    home = Path(tempfile.mkdtemp(prefix="apprentice-train-bench-"))
+    samples = episodes(args, home / "store")
+    fed = {"off": sum(map(_fed_len, samples)),
+           "on": sum(_fed_len(samples[row[-1]]) for row in _rows(samples))}
+    print(f"{len(samples)} samples of {args.n} episodes, {sum(s.n_tokens for s in samples):,} "
+          f"completion tokens; fed per step: one row per call {fed['off']:,} tokens, "
+          f"shared rows {fed['on']:,}", flush=True)
+    path = resolve_model_path(args.model)
+    start = load_model(path, dtype=torch.float32).state_dict()
+    trainers = {}
+    for share in ("off", "on"):
+        config = TrainerConfig(optim=OptimConfig(lr=1e-6), share_rows=share == "on",
+                               checkpoint_every=0)
+        trainers[share] = Trainer(load_model(path, dtype=torch.float32), home / share, config)
+    with torch.no_grad():
+        lp = {k: torch.cat([o.logprobs for o in t.forward_batch(samples)])
+              for k, t in trainers.items()}
+    diff = float((lp["on"] - lp["off"]).abs().max())
+    times = {"off": [], "on": []}
+    for r in range(args.rounds):
+        for share in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            t = trainers[share]
+            t.model.load_state_dict(start)
+            t0 = time.perf_counter()
+            t.step(samples)
+            times[share].append(time.perf_counter() - t0)
+            print(f"round {r + 1} {share:>3}: {times[share][-1]:.1f}s", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"median step: one row per call {med['off']:.1f}s, shared rows {med['on']:.1f}s; "
+          f"max |logprob difference| {diff:.2e}")
+    if args.json:
+        print(json.dumps({"samples": len(samples), "fed": fed, "times": times, "max_diff": diff}))
+    print(f"speed-up (one row per call / shared rows): {med['off'] / med['on']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
