@@ -176,8 +176,8 @@ def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]
 
 def _collect_chunk(args: tuple) -> dict:
     """Run the oracle on some tasks (one process); return their sequences and counts."""
-    tokenizer_dir, numbers, windows, task_seed, *rest = args
-    slipped = set(rest[0]) if rest else set()
+    tokenizer_dir, numbers, windows, task_seed, slipped = args
+    slipped = set(slipped)
     from agent_runtime.model import load_tokenizer
     from agent_runtime.model.chat_template import ChatTemplate
     from agent_runtime.store import SessionStore

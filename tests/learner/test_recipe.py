@@ -146,7 +146,7 @@ def test_sft_mask_covers_only_completions():
 def test_sft_data_comes_from_the_real_agent_loop(tok_dir, tmp_path, monkeypatch):
     from learner.recipe import sft
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
-    out = sft._collect_chunk((str(tok_dir), [1], [10**6], 0))    # no summaries
+    out = sft._collect_chunk((str(tok_dir), [1], [10**6], 0, []))    # no summaries
     assert out["passed"] == 1 and out["seqs"]
     tok = load_tokenizer(tok_dir)
     ids, mask = out["seqs"][0]
@@ -435,7 +435,7 @@ def renaming_setup(tok_dir, monkeypatch):
     from learner.recipe import sft
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
     tok = load_tokenizer(tok_dir)
-    ids, mask = (np.asarray(a) for a in sft._collect_chunk((str(tok_dir), [2], [10**6], 0))["seqs"][0])
+    ids, mask = (np.asarray(a) for a in sft._collect_chunk((str(tok_dir), [2], [10**6], 0, []))["seqs"][0])
     rng = random.Random(0)
     pool = ["".join(rng.choice("bcdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
             for _ in range(2000)]
