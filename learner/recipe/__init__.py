@@ -55,8 +55,8 @@ def default_recipe() -> RecipeConfig:
             train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=3300,
                            fit_to_time=True, checkpoint_every=100, log_every=20,
                            head_on_mask=True),
-            tasks=2000, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
-            copy_share=0.2, slip_share=0.3),
+            tasks=3600, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
+            copy_share=0.2, slip_share=0.3, heldout_tasks=64),
         grpo=GRPOStageConfig(steps=200, group_size=8, groups_per_step=2, lr=1e-5,
                              max_new_tokens=320, max_steps=12, workers=1, max_seconds=900),
         eval=EvalConfig(n=200, processes=2, summary_window=2048, max_seconds=600))
@@ -74,7 +74,7 @@ def toy_recipe() -> RecipeConfig:
             eval_windows=8, eval_every=30),
         sft=SFTConfig(train=LMConfig(steps=10, lr=1e-3, warmup=2, weight_decay=0.0,
                                      log_every=5, checkpoint_every=5),
-                      tasks=6, workers=1, batch_size=2, slip_share=0.5),
+                      tasks=6, workers=1, batch_size=2, slip_share=0.5, heldout_tasks=2),
         grpo=GRPOStageConfig(steps=1, group_size=2, groups_per_step=1, max_new_tokens=32,
                              max_steps=2, workers=1, lr=1e-5),
         eval=EvalConfig(n=3, max_steps=2, summary_window=1024))

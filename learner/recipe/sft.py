@@ -28,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
@@ -58,6 +59,9 @@ class SFTConfig:
                                     # (`pretrain.copy_window`, as long as the episodes)
     slip_share: float = 0.0         # share of the episodes with one slip and its recovery
                                     # (`with_slip`; the slip itself is not trained on)
+    heldout_tasks: int = 0          # held-out-split instances solved by the oracle too: the
+                                    # SFT checkpoint's loss and exact next tokens on their
+                                    # assistant turns (a cheap proxy for pass@1, no decoding)
     device: str = "auto"            # "auto": cuda when available, else cpu
     seed: int = 0                   # episode windows and batch order
 
@@ -174,10 +178,21 @@ def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]
 
 # -- collecting ---------------------------------------------------------------------------------
 
-def _collect_chunk(args: tuple) -> dict:
+@dataclass
+class Chunk:
+    """One collecting process's share of the tasks (picklable: `ProcessPoolExecutor.map`)."""
+    tokenizer_dir: str
+    numbers: list[int]              # indices into generate(split, ..., seed=task_seed)
+    windows: list[int]              # each episode's context window
+    task_seed: int = 0
+    slipped: list[int] = field(default_factory=list)    # the numbers played with a slip
+    split: str = "train"
+
+
+def _collect_chunk(chunk: Chunk) -> dict:
     """Run the oracle on some tasks (one process); return their sequences and counts."""
-    tokenizer_dir, numbers, windows, task_seed, slipped = args
-    slipped = set(slipped)
+    tokenizer_dir, numbers, windows = chunk.tokenizer_dir, chunk.numbers, chunk.windows
+    slipped = set(chunk.slipped)
     from agent_runtime.model import load_tokenizer
     from agent_runtime.model.chat_template import ChatTemplate
     from agent_runtime.store import SessionStore
@@ -187,7 +202,7 @@ def _collect_chunk(args: tuple) -> dict:
     tok = load_tokenizer(tokenizer_dir)
     template = ChatTemplate.from_pretrained(tokenizer_dir)
     eos = tok.special_tokens["<|im_end|>"]
-    all_tasks = sim.generate("train", max(numbers) + 1, seed=task_seed)
+    all_tasks = sim.generate(chunk.split, max(numbers) + 1, seed=chunk.task_seed)
     out = {"seqs": [], "episodes": 0, "passed": 0, "samples": 0, "merged": 0, "summaries": 0,
            "slips": 0}
     with tempfile.TemporaryDirectory(prefix="apprentice-sft-") as home:
@@ -238,16 +253,19 @@ def merge_samples(samples: list[dict], eos: int, skip: list[bool] | None = None
     return seqs, merged
 
 
-def collect(tokenizer_dir: Path, out: Path, config: SFTConfig) -> dict:
-    """Solve `config.tasks` training instances with the recording oracle; save `sft.npz`."""
+def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "train",
+            tasks: int | None = None) -> dict:
+    """Solve `tasks` (default `config.tasks`) instances of `split` with the recording oracle;
+    save their sequences to `out`. Held-out episodes get the same windows and slips."""
+    n = config.tasks if tasks is None else tasks
     rng = random.Random(config.seed)
     windows = [rng.randint(*config.small_window) if rng.random() < config.summary_share
-               else config.context_window for _ in range(config.tasks)]
-    slipped = [n for n in range(config.tasks) if rng.random() < config.slip_share]
-    numbers = list(range(config.tasks))
-    k = config.workers or max(1, (os.cpu_count() or 2) - 1)
-    chunks = [(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped)
-              for i in range(k)]
+               else config.context_window for _ in range(n)]
+    slipped = [i for i in range(n) if rng.random() < config.slip_share]
+    numbers = list(range(n))
+    k = max(1, min(n, config.workers or max(1, (os.cpu_count() or 2) - 1)))
+    chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped,
+                    split) for i in range(k)]
     if k == 1:
         parts = [_collect_chunk(chunks[0])]
     else:
@@ -275,6 +293,35 @@ def load_sequences(path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
         ids, mask, lengths = data["ids"], data["mask"], data["lengths"]
     ends = np.cumsum(lengths)
     return [(ids[a:b], mask[a:b]) for a, b in zip(ends - lengths, ends)]
+
+
+@torch.no_grad()
+def assistant_metrics(model, seqs: list[tuple[np.ndarray, np.ndarray]], max_len: int = 4096,
+                      device: str = "cpu") -> dict:
+    """Loss and exact next tokens on the trained (assistant) tokens of `seqs`, one sequence
+    at a time, each fed as the model reads it in training (cut at `max_len`): `loss` is the
+    mean cross-entropy per token, `token_accuracy` the share of those tokens that are the
+    model's argmax given the true prefix, `turns_exact` the share of assistant turns (runs of
+    trained tokens) whose every token is."""
+    model.eval()
+    nll, right, tokens, turns, exact = 0.0, 0, 0, 0, 0
+    for ids, mask in seqs:
+        x, y, m = _padded([(ids, mask)], max_len, 0)
+        if not m.any():
+            continue
+        logits = model(x.to(device), logits_at=m.to(device)).logits.float()      # [N, V]
+        target = y[m].to(device)
+        nll += float(F.cross_entropy(logits, target, reduction="sum"))
+        hit = (logits.argmax(-1) == target).cpu()
+        right, tokens = right + int(hit.sum()), tokens + len(target)
+        # a turn is a run of trained positions; split the hits at the gaps between runs
+        pos = m[0].nonzero()[:, 0]
+        breaks = (pos[1:] != pos[:-1] + 1).nonzero()[:, 0] + 1
+        for run in torch.tensor_split(hit, breaks):
+            turns, exact = turns + 1, exact + int(run.all())
+    return {"sequences": len(seqs), "tokens": tokens, "loss": nll / max(tokens, 1),
+            "token_accuracy": right / max(tokens, 1), "turns": turns,
+            "turns_exact": exact / max(turns, 1)}
 
 
 # -- training -----------------------------------------------------------------------------------

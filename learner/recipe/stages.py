@@ -120,7 +120,12 @@ def _pretrain(out: Path, config: RecipeConfig, log) -> dict:
 
 def _sft_data(out: Path, config: RecipeConfig, log) -> dict:
     from learner.recipe import sft
-    return sft.collect(out / "tokenizer", out / "sft_data" / "data.npz", config.sft)
+    metrics = sft.collect(out / "tokenizer", out / "sft_data" / "data.npz", config.sft)
+    if config.sft.heldout_tasks:
+        metrics["heldout"] = sft.collect(out / "tokenizer", out / "sft_data" / "heldout.npz",
+                                         config.sft, split="heldout",
+                                         tasks=config.sft.heldout_tasks)
+    return metrics
 
 
 def _sft(out: Path, config: RecipeConfig, log) -> dict:
@@ -132,7 +137,12 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
     metrics = sft.run(out / "pretrain" / "model", out / "sft_data" / "data.npz", out / "sft",
                       config.sft, log)
     heldout = np.load(out / "corpus" / "corpus.npz")["heldout"]
-    metrics["copy_probe"] = copy_probe(load_model(out / "sft" / "model", dtype="float32"), heldout)
+    model = load_model(out / "sft" / "model", dtype="float32")
+    metrics["copy_probe"] = copy_probe(model, heldout)
+    episodes = out / "sft_data" / "heldout.npz"
+    if episodes.exists():
+        metrics["heldout"] = sft.assistant_metrics(model, sft.load_sequences(episodes),
+                                                   config.sft.max_len)
     return metrics
 
 

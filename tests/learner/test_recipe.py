@@ -19,6 +19,7 @@ from learner.recipe.lm import LMConfig, train_lm
 from learner.recipe.pretrain import (ModelShape, PretrainConfig, init_model, window_batches,
                                      copy_window, with_repeats)
 from learner.recipe.sft import _episodes_only, copy_sequences, merge_samples
+from learner import tasks as sim
 
 CODE = "".join(Path(m.__file__).read_text() for m in (json, random, ts))
 TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -146,7 +147,7 @@ def test_sft_mask_covers_only_completions():
 def test_sft_data_comes_from_the_real_agent_loop(tok_dir, tmp_path, monkeypatch):
     from learner.recipe import sft
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
-    out = sft._collect_chunk((str(tok_dir), [1], [10**6], 0, []))    # no summaries
+    out = sft._collect_chunk(sft.Chunk(str(tok_dir), [1], [10**6]))    # no summaries
     assert out["passed"] == 1 and out["seqs"]
     tok = load_tokenizer(tok_dir)
     ids, mask = out["seqs"][0]
@@ -155,6 +156,46 @@ def test_sft_data_comes_from_the_real_agent_loop(tok_dir, tmp_path, monkeypatch)
     assert prompt.startswith("<|im_start|>system\nYou are apprentice") and "<tools>" in prompt
     assert trained.count("<|im_end|>") == trained.count("<tool_call>") >= 2
     assert '"name": "finish"' in trained and "<tool_response>" not in trained
+
+
+def test_heldout_episodes_come_from_the_heldout_split(tok_dir, monkeypatch):
+    from learner.recipe import sft
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    tok = load_tokenizer(tok_dir)
+    texts = {split: tok.decode(list(sft._collect_chunk(sft.Chunk(str(tok_dir), [0], [10**6],
+                                                                  split=split))["seqs"][0][0]))
+             for split in ("train", "heldout")}
+    tasks = {split: sim.generate(split, 1)[0].instruction for split in ("train", "heldout")}
+    assert tasks["train"] != tasks["heldout"]
+    assert all(tasks[split] in texts[split] for split in texts)
+
+
+def test_assistant_metrics_score_the_trained_tokens_and_whole_turns(tok_dir):
+    from learner.recipe.sft import assistant_metrics
+    model = init_model(TINY, load_tokenizer(tok_dir), seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 200, (12,), generator=g).numpy()
+    mask = np.array([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 1], dtype=np.uint8)     # 3 turns
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids[None, :-1].astype(np.int64))).logits[0]
+    at = torch.from_numpy(mask[1:].astype(bool))
+    target = torch.from_numpy(ids[1:].astype(np.int64))[at]
+    hit = logits[at].argmax(-1) == target
+    got = assistant_metrics(model, [(ids, mask)])
+    assert got["tokens"] == 6 and got["turns"] == 3
+    assert got["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits[at], target)),
+                                        rel=1e-5)
+    assert got["token_accuracy"] == pytest.approx(float(hit.float().mean()))
+    # make the model right everywhere but one token of the second turn: one turn of three fails
+    class Oracle(torch.nn.Module):
+        def forward(self, x, logits_at):
+            out = torch.full((int(logits_at.sum()), 200), -9.0)
+            out[torch.arange(len(target)), target] = 9.0
+            out[3, (int(target[3]) + 1) % 200] = 99.0
+            return type("Out", (), {"logits": out})()
+    perfect = assistant_metrics(Oracle(), [(ids, mask)])
+    assert perfect["token_accuracy"] == pytest.approx(5 / 6)
+    assert perfect["turns_exact"] == pytest.approx(2 / 3)
 
 
 def test_a_skipped_sample_stays_as_context_but_is_not_trained_on():
@@ -199,7 +240,7 @@ def test_a_slip_garbles_one_call_and_the_turn_after_it_recovers():
 def test_slipped_episodes_pass_and_mask_the_slip(tok_dir, monkeypatch):
     from learner.recipe import sft
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
-    out = sft._collect_chunk((str(tok_dir), [1, 2], [10**6] * 2, 0, [1, 2]))
+    out = sft._collect_chunk(sft.Chunk(str(tok_dir), [1, 2], [10**6] * 2, slipped=[1, 2]))
     assert out["passed"] == 2 and out["slips"] == 2
     tok = load_tokenizer(tok_dir)
     for ids, mask in out["seqs"]:
@@ -435,7 +476,7 @@ def renaming_setup(tok_dir, monkeypatch):
     from learner.recipe import sft
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
     tok = load_tokenizer(tok_dir)
-    ids, mask = (np.asarray(a) for a in sft._collect_chunk((str(tok_dir), [2], [10**6], 0, []))["seqs"][0])
+    ids, mask = (np.asarray(a) for a in sft._collect_chunk(sft.Chunk(str(tok_dir), [2], [10**6]))["seqs"][0])
     rng = random.Random(0)
     pool = ["".join(rng.choice("bcdfgklmnprstvz") + rng.choice("aeiou") for _ in range(3))
             for _ in range(2000)]

@@ -15,6 +15,9 @@ def test_toy_recipe_runs_every_stage_and_ships_a_compact_harness_checkpoint(tmp_
     assert list(results) == list(STAGES)
     assert all((out / stage / "metrics.json").exists() for stage in STAGES)
     assert results["sft_data"]["passed"] == results["sft_data"]["episodes"] > 0
+    assert results["sft_data"]["heldout"]["passed"] == 2            # held-out oracle episodes
+    heldout = results["sft"]["heldout"]                              # scored after SFT
+    assert heldout["tokens"] > 0 and 0 <= heldout["token_accuracy"] <= 1 and heldout["loss"] > 0
     evals = results["eval"]
     assert [evals[name]["n"] for name in ("sft", "grpo", "grpo_window_1024")] == [3, 3, 3]
     model = out / "grpo" / "model"
