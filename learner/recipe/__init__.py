@@ -55,7 +55,7 @@ def default_recipe() -> RecipeConfig:
             train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=3300,
                            fit_to_time=True, checkpoint_every=100, log_every=20,
                            head_on_mask=True),
-            tasks=3600, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
+            tasks=2000, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
             copy_share=0.2, slip_share=0.3, heldout_tasks=64),
         grpo=GRPOStageConfig(steps=200, group_size=8, groups_per_step=2, lr=1e-5,
                              max_new_tokens=320, max_steps=12, workers=1, max_seconds=900),
