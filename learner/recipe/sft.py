@@ -263,7 +263,7 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "tra
                else config.context_window for _ in range(n)]
     slipped = [i for i in range(n) if rng.random() < config.slip_share]
     numbers = list(range(n))
-    k = max(1, min(n, config.workers or max(1, (os.cpu_count() or 2) - 1)))
+    k = max(1, min(n, config.workers or (os.cpu_count() or 2) - 1))
     chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped,
                     split) for i in range(k)]
     if k == 1:

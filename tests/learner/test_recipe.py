@@ -14,12 +14,12 @@ import torch
 
 from agent_runtime.model import load_model, load_tokenizer
 from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
+from learner import tasks as sim
 from learner.recipe import tokenizer_stage as ts
 from learner.recipe.lm import LMConfig, train_lm
 from learner.recipe.pretrain import (ModelShape, PretrainConfig, init_model, window_batches,
                                      copy_window, with_repeats)
 from learner.recipe.sft import _episodes_only, copy_sequences, merge_samples
-from learner import tasks as sim
 
 CODE = "".join(Path(m.__file__).read_text() for m in (json, random, ts))
 TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -187,13 +187,13 @@ def test_assistant_metrics_score_the_trained_tokens_and_whole_turns(tok_dir):
                                         rel=1e-5)
     assert got["token_accuracy"] == pytest.approx(float(hit.float().mean()))
     # make the model right everywhere but one token of the second turn: one turn of three fails
-    class Oracle(torch.nn.Module):
+    class RightButOne(torch.nn.Module):
         def forward(self, x, logits_at):
             out = torch.full((int(logits_at.sum()), 200), -9.0)
             out[torch.arange(len(target)), target] = 9.0
             out[3, (int(target[3]) + 1) % 200] = 99.0
             return type("Out", (), {"logits": out})()
-    perfect = assistant_metrics(Oracle(), [(ids, mask)])
+    perfect = assistant_metrics(RightButOne(), [(ids, mask)])
     assert perfect["token_accuracy"] == pytest.approx(5 / 6)
     assert perfect["turns_exact"] == pytest.approx(2 / 3)
 
