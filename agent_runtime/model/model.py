@@ -224,7 +224,7 @@ class Experts(nn.Module):
                     ys[start:start + n] = self._one(xs[start:start + n], e)
                     start += n
         ys = ys * w.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))  # autocast: ys bf16
 
 
 class MoE(nn.Module):

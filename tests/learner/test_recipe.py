@@ -95,23 +95,47 @@ def _tiny_model(tok_dir: Path, seed: int = 0):
     return init_model(TINY, load_tokenizer(tok_dir), seed)
 
 
-def test_pretraining_lowers_the_loss(tok_dir, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pretraining_lowers_the_loss(tok_dir, tmp_path, precision):
     tok = load_tokenizer(tok_dir)
     data = np.asarray(tok.encode(CODE), dtype=np.uint16)
     model = _tiny_model(tok_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = LMConfig(steps=12, lr=1e-2, warmup=2, log_every=4, checkpoint_every=12)
+    cfg = LMConfig(steps=12, lr=1e-2, warmup=2, log_every=4, checkpoint_every=12,
+                   precision=precision)
     result = train_lm(model, window_batches(data, 32, 4, 0), cfg, tmp_path / "state", log=lambda r: None)
     losses = [r["loss"] for r in result["history"]]
+    assert result["bf16"] == (precision == "bf16")
     assert losses[-1] < losses[0] - 0.5
     assert all(not torch.equal(before[k], v) for k, v in model.state_dict().items()
                if k.endswith(("experts.gate_up", "embed_tokens.weight")))
+    # the trained weights are the fp32 masters, finer than the bf16 copy the steps ran on
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert any(not torch.equal(p, p.bfloat16().float()) for p in model.parameters())
 
 
-def test_training_resumes_exactly(tok_dir, tmp_path):
+def test_bf16_training_follows_fp32(tok_dir, tmp_path):
+    """The bf16 working copy computes the same training as fp32, up to bf16 rounding."""
+    data = np.asarray(load_tokenizer(tok_dir).encode(CODE), dtype=np.uint16)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        model = _tiny_model(tok_dir)
+        cfg = LMConfig(steps=8, lr=5e-3, warmup=2, log_every=1, checkpoint_every=8,
+                       precision=precision)
+        result = train_lm(model, window_batches(data, 32, 4, 0), cfg, tmp_path / precision,
+                          log=lambda r: None)
+        runs[precision] = [r["loss"] for r in result["history"]]
+    assert runs["fp32"] != runs["bf16"]                        # it did run in bf16
+    for a, b in zip(runs["fp32"], runs["bf16"]):
+        assert abs(a - b) < 0.05 * a
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_resumes_exactly(tok_dir, tmp_path, precision):
     data = np.asarray(load_tokenizer(tok_dir).encode(CODE), dtype=np.uint16)
     batch = window_batches(data, 32, 4, 0)
-    cfg = LMConfig(steps=6, lr=5e-3, warmup=1, log_every=2, checkpoint_every=2)
+    cfg = LMConfig(steps=6, lr=5e-3, warmup=1, log_every=2, checkpoint_every=2,
+                   precision=precision)
     straight = _tiny_model(tok_dir)
     train_lm(straight, batch, cfg, tmp_path / "a", log=lambda r: None)
 
