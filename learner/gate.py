@@ -11,6 +11,16 @@ tests) and are compared on three numbers:
     no-call rate    share of model calls with no tool call     may rise by <= no_call_margin
                     at all (asking or talking instead of acting)
 
+A rate's margin also widens to `z` standard errors of the difference between the two runs
+(pooled over both runs' model calls): with 8 tasks, ~80 model calls a run, a rate near 0.1
+has a standard error of ~0.05 on the difference, and the bare 2-point margin rejected
+candidates whose invalid calls rose by chance (bench/online.py: serving measured at 0.077,
+candidates at 0.130 and 0.217; earlier versions of the same line measured 0.13-0.16). With
+`z` = 1.645 a rise is rejected when a one-sided test at 5 % calls it real, or when it exceeds
+the fixed margin and the runs are large enough to tell, and always when it exceeds
+`max_noise_margin` (10 points), however few the calls. pass@1 keeps its fixed margin: 8 tasks
+cannot tell a real drop from chance, so it stays strict.
+
 The last two watch for the reward hacks Cursor reported with online RL from user signals:
 emitting broken tool calls so nothing can go wrong, and asking instead of acting. A rejected
 candidate's reason names every number that regressed. The serving version's numbers are
@@ -24,6 +34,7 @@ Not here: training (`online.py`), publishing (`learner.versions`).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -45,6 +56,10 @@ class GateConfig:
     pass_margin: float = 0.0        # pass@1 may be lower than the serving version's by this
     invalid_margin: float = 0.02    # the invalid-call rate may be higher by this
     no_call_margin: float = 0.10    # the no-call rate may be higher by this
+    z: float = 1.645                # ... or, for both rates, by this many standard errors of
+                                    # the difference (pooled); 0: the fixed margins alone
+    max_noise_margin: float = 0.10  # ... but never by more than this on noise grounds: a
+                                    # handful of calls must not excuse any rise
     sandbox: str | None = None      # "auto" | "off" | "require"; None: $APPRENTICE_SANDBOX
 
 
@@ -69,17 +84,29 @@ class GateResult:
                 "serving": asdict(self.serving), "candidate": asdict(self.candidate)}
 
 
+def rate_margin(a: float, n_a: int, b: float, n_b: int, fixed: float, z: float,
+                cap: float) -> float:
+    """How much rate `b` (over n_b model calls) may exceed rate `a` (over n_a): the fixed
+    margin, or `z` pooled standard errors of the difference (at most `cap`) if larger."""
+    if z <= 0 or n_a <= 0 or n_b <= 0:
+        return fixed
+    p = (a * n_a + b * n_b) / (n_a + n_b)
+    return max(fixed, min(cap, z * math.sqrt(p * (1 - p) * (1 / n_a + 1 / n_b))))
+
+
 def compare(serving: GateMetrics, candidate: GateMetrics, config: GateConfig) -> GateResult:
     """Pass, or fail with every regression beyond its margin named."""
     problems = []
     if candidate.pass_at_1 < serving.pass_at_1 - config.pass_margin - 1e-9:
         problems.append(f"held-out pass@1 {serving.pass_at_1:.3f} -> {candidate.pass_at_1:.3f}")
-    if candidate.invalid_rate > serving.invalid_rate + config.invalid_margin + 1e-9:
-        problems.append(f"invalid tool calls {serving.invalid_rate:.3f} -> "
-                        f"{candidate.invalid_rate:.3f} of model calls")
-    if candidate.no_call_rate > serving.no_call_rate + config.no_call_margin + 1e-9:
-        problems.append(f"calls without a tool call {serving.no_call_rate:.3f} -> "
-                        f"{candidate.no_call_rate:.3f}")
+    for what, rate, fixed in (("invalid tool calls", "invalid_rate", config.invalid_margin),
+                              ("calls without a tool call", "no_call_rate",
+                               config.no_call_margin)):
+        a, b = getattr(serving, rate), getattr(candidate, rate)
+        margin = rate_margin(a, serving.calls, b, candidate.calls, fixed, config.z,
+                             config.max_noise_margin)
+        if b > a + margin + 1e-9:
+            problems.append(f"{what} {a:.3f} -> {b:.3f} of model calls (margin {margin:.3f})")
     if problems:
         return GateResult(False, "regressed: " + "; ".join(problems), serving, candidate)
     return GateResult(True, f"no regression on {candidate.n} held-out tasks", serving, candidate)

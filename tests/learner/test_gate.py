@@ -45,6 +45,30 @@ def test_more_invalid_tool_calls_are_rejected():
     assert not result.passed and "invalid tool calls" in result.reason
 
 
+def test_a_rise_within_the_noise_of_the_runs_passes():
+    """~80 model calls a run: 0.077 -> 0.130 is within 1.645 pooled standard errors (0.069);
+    the fixed 2-point margin alone rejects it (bench/online.py did, repeatedly)."""
+    serving = with_(calls=78, invalid_rate=0.077)
+    assert compare(serving, with_(calls=77, invalid_rate=0.130), GateConfig()).passed
+    strict = compare(serving, with_(calls=77, invalid_rate=0.130), GateConfig(z=0))
+    assert not strict.passed and "margin 0.020" in strict.reason
+    result = compare(serving, with_(calls=77, invalid_rate=0.217), GateConfig())
+    assert not result.passed and "invalid tool calls 0.077 -> 0.217" in result.reason
+
+
+def test_with_many_calls_the_fixed_margin_decides():
+    serving = with_(calls=4000, invalid_rate=0.05)
+    assert compare(serving, with_(calls=4000, invalid_rate=0.065), GateConfig()).passed
+    result = compare(serving, with_(calls=4000, invalid_rate=0.08), GateConfig())
+    assert not result.passed and "margin 0.020" in result.reason
+
+
+def test_few_calls_never_excuse_a_rise_beyond_the_cap():
+    result = compare(with_(calls=4, invalid_rate=0.0), with_(calls=4, invalid_rate=0.5),
+                     GateConfig())
+    assert not result.passed and "margin 0.100" in result.reason
+
+
 def test_asking_instead_of_acting_is_rejected():
     result = compare(SERVING, with_(no_call_rate=0.5), GateConfig())
     assert not result.passed and "without a tool call" in result.reason
