@@ -44,6 +44,10 @@ class TrainerConfig:
     checkpoint_every: int = 1       # write a resumable checkpoint every N steps
     keep_checkpoints: int = 2       # newest checkpoints kept on disk
     device: str = "cpu"             # where the fp32 master model trains
+    precision: str = "fp32"         # "fp32", "bf16" (forward and backward on a bf16 copy of the
+                                    # fp32 masters: `learner.precision`) or "auto" (bf16 where
+                                    # the hardware has native bf16 matmuls); the GRPO stage and
+                                    # the online learner use "auto"
     seed: int = 0                   # torch seed at the start of a fresh run
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per training forward
                                     # and backward: bounds activation memory; a longer sample

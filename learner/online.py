@@ -92,7 +92,7 @@ MAX_CHANGED = 0.02
 
 def _trainer_defaults() -> TrainerConfig:
     return TrainerConfig(loss=LossConfig(kl_coef=0.05), optim=OptimConfig(lr=LR),
-                         temperature=0.0, checkpoint_every=0)
+                         temperature=0.0, checkpoint_every=0, precision="auto")
 
 
 @dataclass

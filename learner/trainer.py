@@ -43,6 +43,7 @@ import torch
 from agent_runtime.model import MoEModel, load_model
 from learner.config import TrainerConfig, to_dict
 from learner.grpo import TrainSample, behaviour_kl, mean_or_nan, policy_loss
+from learner.precision import Bf16Copy, bf16_compute
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,13 @@ class Trainer:
         o = self.config.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
                                            eps=o.eps, weight_decay=o.weight_decay)
+        self.bf16 = bf16_compute(self.config.precision, self.config.device)
+        self._work = Bf16Copy(self.model) if self.bf16 else None   # forwards run on it
         self.ref = None
         if self.config.loss.kl_coef > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if self.bf16:
+                self.ref.to(torch.bfloat16)
         self.versions, self.store = versions, store
         self.step_count = 0
         self.version: int | None = None          # version of the current weights, once published
@@ -97,13 +102,17 @@ class Trainer:
 
     # -- training forward -------------------------------------------------------------------
 
+    def net(self) -> MoEModel:
+        """What the training forward runs on: the fp32 masters, or their bf16 copy."""
+        return self._work.synced() if self._work is not None else self.model
+
     @contextlib.contextmanager
-    def _router_choices(self, sink: list[torch.Tensor]) -> Iterator[None]:
+    def _router_choices(self, net: MoEModel, sink: list[torch.Tensor]) -> Iterator[None]:
         """Collect each MoE layer's own top-k choice [N, k] (even when routes are forced)."""
-        k = self.model.args.top_k
+        k = net.args.top_k
         hooks = [b.mlp.gate.register_forward_hook(
                      lambda m, i, out: sink.append(out.detach().float().topk(k, dim=-1).indices))
-                 for b in self.model.layers if b.is_moe]
+                 for b in net.layers if b.is_moe]
         try:
             yield
         finally:
@@ -129,7 +138,6 @@ class Trainer:
         completion token is scored."""
         if not samples:
             return []
-        model = model or self.model
         replay = self.config.router_replay if replay is None else replay
         recorded = [_recorded_routes(s, self.config.device) for s in samples]
         with_routes = [r is not None for r in recorded]
@@ -162,7 +170,9 @@ class Trainer:
                 P, T = len(samples[i].prompt_ids), len(samples[i].completion_ids)
                 scored[b, P - 1:P - 1 + T] = True                          # [B, S]
         chosen: list[torch.Tensor] = []
-        with self._router_choices(chosen) if model is self.model else contextlib.nullcontext():
+        masters = model is None or model is self.model      # not the reference model
+        model = self.net() if masters else model
+        with self._router_choices(model, chosen) if masters else contextlib.nullcontext():
             out = model(ids.to(dev), routes=routes if replay else None, logits_at=scored.to(dev))
         # logits come row by row, position by position: each row's samples in their order
         order = [i for row in rows for i in row]
@@ -237,6 +247,8 @@ class Trainer:
             loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
             if n_tok:
                 (loss.sum() / n_tok).backward()
+                if self._work is not None:
+                    self._work.grads_to_master()
             for out, b in zip(outs, behaviour):
                 acc.add_forward(out, b)
             acc.add_loss(float(loss.detach().sum()), stats)

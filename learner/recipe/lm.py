@@ -13,7 +13,6 @@ It does not build data, evaluate tasks or write HF checkpoints (the stages do).
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from agent_runtime.model.model import MoE, MoEModel
+from learner.precision import Bf16Copy, bf16_compute
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -51,8 +51,8 @@ class LMConfig:
     head_on_mask: bool = False      # output head only where the loss mask is set (SFT: the
                                     # completions, a small share of each sequence)
     precision: str = "auto"         # "fp32", "bf16" (forward and backward in bf16, fp32 master
-                                    # weights and AdamW), or "auto": bf16 on CUDA (autocast) and
-                                    # on CPUs with native bf16 matmuls (AVX512-BF16, AMX), else fp32
+                                    # weights and AdamW: `learner.precision`), or "auto": bf16 on
+                                    # CUDA (autocast) and on CPUs with native bf16 matmuls
 
 
 def lr_at(step: int, c: LMConfig, total: int | None = None) -> float:
@@ -92,40 +92,6 @@ class RouterStats:
             h.remove()
 
 
-def bf16_compute(precision: str, device: str) -> bool:
-    """Whether `train_lm` computes in bf16. On a 2-core AVX512-BF16 CPU a forward and backward
-    of the default shape (4 x 1,024 tokens) takes 2.95 s in bf16 against 4.93 s in fp32 (1.67x;
-    autocast: 4.18 s, its casts eat half the matmuls' gain); CPUs without native bf16 run bf16
-    matmuls slower than fp32 ones."""
-    if precision not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"precision must be auto, fp32 or bf16, not {precision!r}")
-    if precision != "auto":
-        return precision == "bf16"
-    return device.startswith("cuda") or (device == "cpu"
-                                         and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-class Bf16Copy:
-    """A bf16 working copy of a model whose fp32 parameters are the master weights: the
-    forward and backward run on `work`; `grads_to_master` hands its gradients to the masters
-    (which the optimizer steps), `pull` rounds the updated masters into `work` again. Updates
-    smaller than a bf16 step accumulate in the masters instead of being lost."""
-
-    def __init__(self, master: MoEModel):
-        self.work = copy.deepcopy(master).to(torch.bfloat16)
-        self.pairs = list(zip(master.parameters(), self.work.parameters()))
-
-    def grads_to_master(self) -> None:
-        for p, w in self.pairs:
-            p.grad = None if w.grad is None else w.grad.float()
-            w.grad = None
-
-    @torch.no_grad()
-    def pull(self) -> None:
-        for p, w in self.pairs:
-            w.copy_(p)
-
-
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the positions where `mask` is set."""
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
@@ -162,7 +128,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
     torch.manual_seed(c.seed + start)
     bf16 = bf16_compute(c.precision, device)
     shadow = Bf16Copy(model) if bf16 and not device.startswith("cuda") else None
-    net = shadow.work.train() if shadow else model          # what the forward runs on
+    net = shadow.synced() if shadow else model              # what the forward runs on
     stats = RouterStats(net)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16) \
         if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
@@ -191,7 +157,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip or float("inf"))
             opt.step()
             if shadow:
-                shadow.pull()
+                net = shadow.synced()
             tokens += int(mask.sum())
             seen += ids.numel()
             window.append(loss.item())

@@ -164,7 +164,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
         model=str(start), tasks="sim",
         trainer=lc.TrainerConfig(optim=lc.OptimConfig(lr=g.lr), router_replay=True,
                                  temperature=g.temperature, device=device, seed=g.seed,
-                                 checkpoint_every=5),
+                                 checkpoint_every=5, precision="auto"),
         rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers),

@@ -224,6 +224,42 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_size(ckpt, tmp_path, k
     assert rows[0]["flip_rate"] > 0 and (kl_coef == 0 or rows[0]["ref_kl"] > 0)
 
 
+def test_bf16_compute_trains_the_fp32_masters(ckpt, tmp_path):
+    """precision="bf16": forwards and backwards on a bf16 copy, gradients added to the fp32
+    masters per micro-batch, the copy refreshed after every change of the masters."""
+    samples = ragged(rollouts(ckpt, n=6))
+    ref = trainer(ckpt, tmp_path / "fp32")
+    perturb(ref.model)
+    t = trainer(ckpt, tmp_path / "bf16", precision="bf16")
+    t.model.load_state_dict(ref.model.state_dict())          # the copy follows (in place)
+    assert t.bf16 and t.net() is not t.model and t.net().lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(t.net().lm_head.weight, ref.model.lm_head.weight.bfloat16())
+    want = torch.cat([ref.forward(s).logprobs for s in samples])
+    got = torch.cat([t.forward(s).logprobs for s in samples])
+    assert got.dtype == torch.float32 and (got - want).abs().max() < 0.1
+    grads = []
+    for group in t.optimizer.param_groups:
+        group["lr"] = 0.0                                    # the gradient only, no change
+    # no clipping: a ratio near a clip boundary falls on either side of it in bf16 depending on
+    # the padding, which switches that token's whole gradient on or off
+    t.config.loss.eps_low, t.config.loss.eps_high, t.config.loss.ratio_cap = 1e9, 1e9, 2e9
+    for budget in (1, 1 << 20):
+        t.config.micro_batch_tokens = budget
+        t.step(samples)
+        grads.append({n: p.grad.clone() for n, p in t.model.named_parameters()})
+    a, b = (torch.cat([g[n].flatten() for n in sorted(g)]) for g in grads)
+    assert a.dtype == torch.float32 and a.abs().sum() > 0
+    assert (a - b).norm() < 0.05 * a.norm()                  # bf16 rounding, not a bug
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    for group in t.optimizer.param_groups:
+        group["lr"] = 1e-2
+    t.step(samples)
+    changed = [k for k, v in t.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert "lm_head.weight" in changed and all(v.dtype == torch.float32 for v in
+                                               t.model.state_dict().values())
+    assert torch.equal(t.net().lm_head.weight, t.model.lm_head.weight.bfloat16())
+
+
 def test_router_gets_gradient_under_replay(ckpt, tmp_path):
     t = trainer(ckpt, tmp_path)
     t.step(rollouts(ckpt, n=2))
