@@ -178,7 +178,6 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
                 if evaluate is not None and eval_every and (done % eval_every == 0 or done == total):
                     row.update(evaluate())
                     model.train()
-                    net.train()
                 history.append(row)
                 log(row)
                 window = []
