@@ -30,7 +30,8 @@ from agent_runtime.context import (DEFAULT_SUMMARY_INSTRUCTION, SUMMARY_REQUEST,
                                    ContextConfig)
 from agent_runtime import names
 from agent_runtime.names import ORIGIN_USER
-from agent_runtime.policies.base import Completion, Policy
+from agent_runtime.callgrammar import CallGrammar, WorkspaceView
+from agent_runtime.policies.base import Completion, Policy, constrains
 from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, tool_schema
 
@@ -63,6 +64,10 @@ class AgentConfig:
     origin: str = ORIGIN_USER                  # who makes the session (names.ORIGINS); only
                                                # "user" sessions are learned from
     learn: bool = True                         # False: the session is never trained on
+    constrain_calls: bool = True               # policies that can (the engine) write only tool
+                                               # calls that can run: valid JSON, known tools
+                                               # and arguments, existing paths, `old` text
+                                               # from the file (agent_runtime.callgrammar)
 
     def context_config(self) -> ContextConfig:
         return ContextConfig(summarize_at=self.summarize_at,
@@ -144,6 +149,8 @@ class Agent:
         self.callbacks = callbacks or Callbacks()
         self.tools = {t.name: t for t in tools}
         self.schemas = [tool_schema(t) for t in tools]
+        self.grammar = (CallGrammar(tools) if self.config.constrain_calls and constrains(policy)
+                        else None)
         self.sandbox = sandbox if sandbox is not None else _default_sandbox(self.workspace)
         self.cancel_event = cancel_event or threading.Event()
         self.session_id: str | None = None
@@ -223,9 +230,13 @@ class Agent:
             used = self.policy.count_tokens(self.context.messages, self.schemas)
         self.context.check_fits(used, self.policy)
         self.steps += 1
+        held = {}
+        if self.grammar is not None:          # the workspace as it is now
+            files = self.tool_context.extras.get("files")
+            held = {"grammar": self.grammar.at(WorkspaceView(self.workspace, files))}
         completion = self.policy.complete(
             self.context.messages, self.schemas, max_new_tokens=self.config.max_new_tokens,
-            on_text=self.callbacks.on_text, should_stop=self.cancel_event.is_set)
+            on_text=self.callbacks.on_text, should_stop=self.cancel_event.is_set, **held)
         turn = parse_tool_calls(completion.text)
         calls = check_calls(turn.calls, self.tools)
         message: dict[str, Any] = {"role": "assistant", "content": turn.content}

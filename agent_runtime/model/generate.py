@@ -5,8 +5,12 @@ distribution it was actually sampled from (after temperature and top-k/top-p fil
 greedy decoding, under the untempered model distribution), the expert routes of every token
 fed to the model, and a finish reason. Ragged prompts are left-padded. With a `PrefixCache`
 each prompt's longest cached prefix is copied in and only the rest is prefilled (rows are then
-laid out [pad | cached prefix | pad | new tokens]; positions count real tokens only). This
-module does not render chat prompts or parse tool calls.
+laid out [pad | cached prefix | pad | new tokens]; positions count real tokens only). A row
+may have a constraint (`agent_runtime.callgrammar.CallMatcher`: `allows(token)`,
+`advance(token)`): a sampled token it refuses is sampled again without it, so the row draws
+from the model's distribution restricted to what the constraint allows; such a token's
+logprob is still the model's own (see `Generation.forced`). This module does not render chat
+prompts or parse tool calls.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class Generation:
     finish_reason: str                      # "eos" | "stop" | "length" | "cancelled" | "loop"
     text: str | None = None                 # decoded completion up to a stop string
     prompt_len: int = 0
+    forced: list[int] | None = None         # positions where a constraint refused the sampled
+                                            # token and another was drawn (logprob: the model's)
 
 
 def _filter_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -70,6 +76,40 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     logp = _filter_logprobs(logits, p)
     tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+MAX_RESAMPLES = 16   # refused draws before the allowed tokens are searched in order
+
+
+def _own_logprob(logits: torch.Tensor, token: int, p: SamplingParams) -> float:
+    """The model's logprob of `token` (one row's logits [V]) under the distribution `sample`
+    draws from, or, where filtering removed it, under the tempered distribution."""
+    logits = logits.float()[None]
+    if p.temperature <= 0:
+        return float(logits.log_softmax(-1)[0, token])
+    lp = float(_filter_logprobs(logits, p)[0, token])
+    return lp if lp > -math.inf else float((logits / p.temperature).log_softmax(-1)[0, token])
+
+
+def _allowed(logits: torch.Tensor, first: int, p: SamplingParams, gen: torch.Generator | None,
+             allows: Callable[[int], bool]) -> int | None:
+    """A token drawn from one row's logits [V] as `sample` would, among those `allows`
+    accepts (`first`, already refused, excluded); None when it accepts none."""
+    row = logits.float().clone()
+    row[first] = -math.inf
+    for _ in range(MAX_RESAMPLES):
+        if not torch.isfinite(row).any():
+            return None
+        t = int(sample(row[None], p, gen)[0][0])
+        if allows(t):
+            return t
+        row[t] = -math.inf
+    for t in row.argsort(descending=True).tolist():      # rare: most of the mass refused
+        if row[t] == -math.inf:
+            return None
+        if allows(t):
+            return t
+    return None
 
 
 class LoopGuard:
@@ -113,10 +153,12 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
              on_token: Callable[[int, int, float], None] | None = None,
              should_stop: Callable[[], bool] | None = None,
              row_should_stop: Sequence[Callable[[], bool] | None] | None = None,
-             prefix_cache: PrefixCache | None = None) -> list[Generation]:
+             prefix_cache: PrefixCache | None = None,
+             constraints: Sequence[object | None] | None = None) -> list[Generation]:
     """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams.
     `should_stop()` cancels every row; `row_should_stop[b]()` cancels row b alone (its
-    generation ends "cancelled" while the other rows go on)."""
+    generation ends "cancelled" while the other rows go on). `constraints[b]` (or None)
+    holds row b to what it allows."""
     p = params or SamplingParams()
     if p.stop and decode is None:
         raise ValueError("stop strings need a `decode` function (token ids -> text)")
@@ -169,6 +211,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     texts: list[str | None] = [None] * B
     stop_ids = set(p.stop_token_ids)
     guards = [LoopGuard(p.loop_span) for _ in range(B)] if p.loop_span > 0 else None
+    held = list(constraints) if constraints is not None and any(constraints) else None
+    forced: list[list[int]] = [[] for _ in range(B)]
     fast = stepper(model)                             # the same step in C++, when it can
     for step in range(p.max_new_tokens):
         if should_stop is not None and should_stop():
@@ -182,9 +226,22 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                 break
         tok, lp = sample(out.logits[:, -1], p, gen)
         tok_l, lp_l = tok.tolist(), lp.tolist()
+        if held is not None:
+            for b, m in enumerate(held):
+                if m is None or reasons[b] is not None or m.allows(tok_l[b]):
+                    continue
+                t = _allowed(out.logits[b, -1], tok_l[b], p, gen, m.allows)
+                if t is None:                 # nothing allowed: the row goes on unconstrained
+                    held[b] = None
+                    continue
+                tok[b], tok_l[b] = t, t
+                lp_l[b] = _own_logprob(out.logits[b, -1], t, p)
+                forced[b].append(len(tokens[b]))
         for b in range(B):
             if reasons[b] is not None:
                 continue
+            if held is not None and held[b] is not None:
+                held[b].advance(tok_l[b])
             tokens[b].append(tok_l[b])
             logprobs[b].append(lp_l[b])
             if on_token is not None:
@@ -216,7 +273,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
         if text is None and decode is not None:
             text = decode(tokens[b])
         results.append(Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
-                                  finish_reason=reasons[b] or names.FINISH_LENGTH, text=text, prompt_len=lens[b]))
+                                  finish_reason=reasons[b] or names.FINISH_LENGTH, text=text,
+                                  prompt_len=lens[b], forced=forced[b] if held is not None else None))
     return results
 
 

@@ -1,7 +1,7 @@
 """What every policy is: the `Policy` protocol the agent loop depends on, the `Completion` a
-model call returns, the two optional capabilities (`complete_many`: decoding several calls as
-one batch; `swap_state`: weights that a newer version can replace) and where checkpoints are
-found.
+model call returns, the three optional capabilities (`complete_many`: decoding several calls
+as one batch; `swap_state`: weights that a newer version can replace; `grammar=`: tool calls
+held to what can run) and where checkpoints are found.
 
 This module imports nothing from the project, so every other module of the package (and
 `agent_runtime.context`) can import it: the policies' imports run one way, from
@@ -75,6 +75,14 @@ def batches(policy: Any) -> bool:
     should_stop=None) -> list[Completion]`, with per-row lists for tools, on_text and
     should_stop."""
     return callable(getattr(policy, "complete_many", None))
+
+
+def constrains(policy: Any) -> bool:
+    """Whether `policy` can hold its tool calls to a grammar, the third optional capability
+    of the `Policy` protocol (the engine has it): `complete(..., grammar=CallGrammar)` (and
+    `complete_many(..., grammar=[...])`) write only calls that `grammar` accepts
+    (`agent_runtime.callgrammar`)."""
+    return bool(getattr(policy, "accepts_grammar", False))
 
 
 def has_weights(policy: Any) -> bool:

@@ -2,7 +2,9 @@
 
 Renders the conversation with the checkpoint's chat template (one place renders prompts),
 generates with the KV-cached engine, streams decoded text, and returns the token ids, behaviour
-logprobs and expert routes exactly as generated. Weight updates (`swap_state`) wait for the
+logprobs and expert routes exactly as generated. Given a `grammar` (an
+`agent_runtime.callgrammar.CallGrammar`, which the agent loop passes), it writes only tool
+calls that grammar accepts. Weight updates (`swap_state`) wait for the
 model call in flight, so a generation always finishes on the weights it started with. It does
 not parse tool calls (the agent loop does) and never imports the learner.
 """
@@ -45,6 +47,8 @@ class EngineConfig:
 class EnginePolicy:
     """A checkpoint + tokenizer + chat template, usable by the agent loop and directly."""
 
+    accepts_grammar = True                  # complete(..., grammar=CallGrammar) (base.constrains)
+
     def __init__(self, model: MoEModel, tokenizer: Any, template: Any, name: str,
                  config: EngineConfig | None = None, version: int = 0):
         self.model, self.tokenizer, self.template = model, tokenizer, template
@@ -56,6 +60,13 @@ class EnginePolicy:
         specials = getattr(tokenizer, "special_tokens", {}) or {}
         self.stop_token_ids = sorted({specials[t] for t in END_OF_TURN if t in specials}
                                      | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+        self._bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token id `token` decodes to (cached)."""
+        if token not in self._bytes:
+            self._bytes[token] = self.tokenizer.decode_bytes([token])
+        return self._bytes[token]
 
     @classmethod
     def load(cls, spec: str = "default", config: EngineConfig | None = None, version: int = 0,
@@ -105,36 +116,44 @@ class EnginePolicy:
         on_token = kw.pop("on_token", None)
         should_stop = kw.pop("should_stop", None)
         row_should_stop = kw.pop("row_should_stop", None)
+        grammars = kw.pop("grammar", None)
+        held = None
+        if grammars is not None and any(g is not None for g in grammars):
+            held = [g.matcher(self.token_bytes, self.stop_token_ids) if g is not None else None
+                    for g in grammars]
         params = self._params(max_new_tokens, max(len(p) for p in prompts), **kw)
         with self._lock:
             out = generate(self.model, prompts, params, decode=self.tokenizer.decode,
                            on_token=on_token, should_stop=should_stop,
-                           row_should_stop=row_should_stop, prefix_cache=self.prefix_cache)
+                           row_should_stop=row_should_stop, prefix_cache=self.prefix_cache,
+                           constraints=held)
             return out, self.version
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
                  max_new_tokens: int | None = None, on_text: Callable[[str], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> Completion:
+                 should_stop: Callable[[], bool] | None = None, grammar: Any = None) -> Completion:
         return self.complete_many([messages], [tools], max_new_tokens=max_new_tokens,
-                                  on_text=[on_text], should_stop=[should_stop])[0]
+                                  on_text=[on_text], should_stop=[should_stop],
+                                  grammar=[grammar])[0]
 
     def complete_many(self, conversations: Sequence[list[dict]],
                       tools: Sequence[list[dict] | None] | None = None, *,
                       max_new_tokens: int | None = None,
                       on_text: Sequence[Callable[[str], None] | None] | None = None,
-                      should_stop: Sequence[Callable[[], bool] | None] | None = None
-                      ) -> list[Completion]:
+                      should_stop: Sequence[Callable[[], bool] | None] | None = None,
+                      grammar: Sequence[Any] | None = None) -> list[Completion]:
         """`complete` for several conversations in one batched generation (how a group of
-        rollouts, or several agents sharing this policy, decode together). `tools`, `on_text`
-        and `should_stop` are given per conversation; a row whose `should_stop()` turns true
-        ends "cancelled" and the others go on."""
+        rollouts, or several agents sharing this policy, decode together). `tools`, `on_text`,
+        `should_stop` and `grammar` are given per conversation; a row whose `should_stop()`
+        turns true ends "cancelled" and the others go on."""
         n = len(conversations)
         if n == 0:
             return []
         tools = list(tools) if tools is not None else [None] * n
         on_text = list(on_text) if on_text is not None else [None] * n
         should_stop = list(should_stop) if should_stop is not None else [None] * n
-        if not len(tools) == len(on_text) == len(should_stop) == n:
+        grammar = list(grammar) if grammar is not None else [None] * n
+        if not len(tools) == len(on_text) == len(should_stop) == len(grammar) == n:
             raise ValueError(f"complete_many: {n} conversations but {len(tools)} tools, "
                              f"{len(on_text)} on_text and {len(should_stop)} should_stop entries")
         prompts = [self.render(m, t) for m, t in zip(conversations, tools)]
@@ -144,7 +163,7 @@ class EnginePolicy:
         cancel = should_stop if any(should_stop) else None
         gens, version = self._generate(prompts, n_new,
                                        on_token=lambda row, tok, lp: streams[row].push(tok),
-                                       row_should_stop=cancel)
+                                       row_should_stop=cancel, grammar=grammar)
         versions, temps = [version] * n, [self.config.temperature] * n
         # Temperature fallback (as Whisper's decoder does): greedy decoding of a small model
         # falls into loops it would fall into again from the same prompt, so a call the loop
@@ -159,7 +178,8 @@ class EnginePolicy:
                 streams[i].restart(f"\n[repeating itself: sampling again at temperature {t}]\n")
             again, v = self._generate([prompts[i] for i in redo], n_new, temperature=t,
                                       on_token=lambda row, tok, lp: streams[redo[row]].push(tok),
-                                      row_should_stop=[cancel[i] for i in redo] if cancel else None)
+                                      row_should_stop=[cancel[i] for i in redo] if cancel else None,
+                                      grammar=[grammar[i] for i in redo])
             for i, gen in zip(redo, again):
                 gens[i], versions[i], temps[i] = gen, v, t
         out = []
@@ -169,7 +189,8 @@ class EnginePolicy:
             out.append(Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
                                   logprobs=gen.logprobs, routes=routes,
                                   finish_reason=gen.finish_reason, version=version,
-                                  temperature=temperature))
+                                  temperature=temperature,
+                                  meta={"forced": gen.forced} if gen.forced else {}))
         return out
 
     # -- weight updates ------------------------------------------------------------------

@@ -37,6 +37,9 @@ class Tool(Protocol):
     description: str
     parameters: dict[str, Any]                 # JSON schema of the arguments object
     mutates: bool                              # writes run in order; reads may run concurrently
+    # Optional: `references = {"path": "file", ...}`, what some string arguments name, so that
+    # a model's calls can be held to existing files while it writes them
+    # (`agent_runtime.callgrammar`: file, dir, path, text:ARG, differs:ARG).
 
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult: ...
 

@@ -119,6 +119,7 @@ class ReadFile:
         },
         "required": ["path"],
     }
+    references = {"path": "file"}              # what the strings name (agent_runtime.callgrammar)
     mutates = False
 
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -240,6 +241,7 @@ class EditFile:
         },
         "required": ["path", "old", "new"],
     }
+    references = {"path": "file", "old": "text:path", "new": "differs:old"}
     mutates = True
 
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:

@@ -43,6 +43,7 @@ class ListFiles:
             "glob": {"type": "string", "description": "Only paths matching this glob."},
         },
     }
+    references = {"path": "dir"}               # what the strings name (agent_runtime.callgrammar)
     mutates = False
 
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:
@@ -77,6 +78,7 @@ class Grep:
         },
         "required": ["pattern"],
     }
+    references = {"path": "path"}
     mutates = False
 
     def __call__(self, args: dict[str, Any], ctx: ToolContext) -> ToolResult:

@@ -42,6 +42,7 @@ class EvalConfig:
                                     # so long episodes summarize themselves
     summary_window: int = 0         # the recipe's eval stage also evaluates its last model with
                                     # this window (self-summarization check; 0: skip)
+    constrain_calls: bool = True    # hold tool calls to what can run (AgentConfig.constrain_calls)
 
 
 def eval_tasks(config: EvalConfig) -> list:
@@ -61,6 +62,7 @@ def _shard(args: tuple) -> list[dict]:
     from agent_runtime.policies.engine import EnginePolicy
     from agent_runtime.store import SessionStore
     from learner.recipe.pretrain import pick_device
+    from agent_runtime.agent import AgentConfig
     from agent_runtime.names import ORIGIN_EVAL
     from learner.rollout import run_episode
 
@@ -77,8 +79,9 @@ def _shard(args: tuple) -> list[dict]:
         if deadline is not None and time.monotonic() > deadline:
             return None                        # not started: left out of n
         try:
-            ep = run_episode(policy, task, store, max_steps=config.max_steps,
-                             sandbox=config.sandbox, origin=ORIGIN_EVAL)
+            ep = run_episode(policy, task, store, sandbox=config.sandbox, origin=ORIGIN_EVAL,
+                             agent_config=AgentConfig(max_steps=config.max_steps,
+                                                      constrain_calls=config.constrain_calls))
             return {"task": task.id, "family": task.family, "passed": ep.reward > 0,
                     "cheated": ep.cheated, "steps": ep.steps, "tokens": ep.tokens,
                     "status": ep.status}
