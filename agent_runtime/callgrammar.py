@@ -85,36 +85,38 @@ def spec_of(schema: dict[str, Any] | None, refers: dict[str, str] | None = None)
 
 
 class WorkspaceView:
-    """The workspace as the constraint sees it: which paths exist, what files contain."""
+    """The workspace as the constraint sees it: which paths exist, what files contain. Paths
+    are compared as bytes (os.fsencode), so a name is matched up to a character cut short."""
+
+    MOUNT = os.fsencode(MOUNT.rstrip("/") + "/")
 
     def __init__(self, workspace: str | Path, files: Any = None):
         self.root = Path(os.path.realpath(workspace))
         self.files = files                      # a tools.files.FileAccess, or None
-        self._dirs: dict[str, list[str] | None] = {}
-        self._texts: dict[str, bytes | None] = {}
+        self._dirs: dict[bytes, list[bytes] | None] = {}
+        self._texts: dict[bytes, bytes | None] = {}
 
-    def _rel(self, value: bytes) -> str | None:
-        """`value` as a workspace-relative path ('' the root), or None outside it (or not
-        UTF-8; a character cut short at the end is left out)."""
-        text = _utf8_prefix(value)
-        if text is None:
+    def _rel(self, value: bytes) -> bytes | None:
+        """`value` as a workspace-relative path (b"" the root), or None outside it (or not
+        UTF-8, a character cut short at the end allowed)."""
+        if _utf8_prefix(value) is None:
             return None
-        mount = MOUNT.rstrip("/") + "/"
-        if text.startswith(mount):
-            text = text[len(mount):]
-        elif text.startswith("/"):
+        if value.startswith(self.MOUNT):
+            value = value[len(self.MOUNT):]
+        elif value.startswith(b"/"):
             return None
-        while text.startswith("./"):
-            text = text[2:]
-        return text
+        while value.startswith(b"./"):
+            value = value[2:]
+        return value
 
-    def listdir(self, rel: str) -> list[str] | None:
+    def listdir(self, rel: bytes) -> list[bytes] | None:
+        """The names in directory `rel`, or None when it is not a directory inside."""
         if rel not in self._dirs:
-            path = self.root / rel
+            path = os.path.join(os.fsencode(self.root), rel) if rel else os.fsencode(self.root)
             try:
                 real = os.path.realpath(path)
-                ok = os.path.commonpath([real, self.root]) == str(self.root)
-                self._dirs[rel] = sorted(os.listdir(path)) if ok and path.is_dir() else None
+                ok = os.path.commonpath([real, os.fsencode(self.root)]) == os.fsencode(self.root)
+                self._dirs[rel] = sorted(os.listdir(path)) if ok and os.path.isdir(path) else None
             except OSError:
                 self._dirs[rel] = None
         return self._dirs[rel]
@@ -122,26 +124,22 @@ class WorkspaceView:
     def may_name(self, value: bytes, kind: str = "path") -> bool:
         """Whether `value` begins the name of something in the workspace: of a file or of a
         directory holding something (`kind` "file"), of a directory ("dir"), either ("path")."""
-        text = _utf8_prefix(value)
-        if text is None:
-            return False
-        mount = MOUNT.rstrip("/") + "/"
-        if mount.startswith(text) or "./".startswith(text):
+        if self.MOUNT.startswith(value) or b"./".startswith(value):
             return True
         rel = self._rel(value)
         if rel is None:
             return False
-        head, _, last = rel.rpartition("/")
+        head, _, last = rel.rpartition(b"/")
         names = self.listdir(head)
         if names is None:
             return False
         if not last and kind != "file":           # "pkg/": the directory itself
             return True
-        prefix = f"{head}/" if head else ""
+        prefix = head + b"/" if head else b""
         return any(n.startswith(last) and (kind == "path" or self._leads_to(prefix + n, kind))
                    for n in names)
 
-    def _leads_to(self, rel: str, kind: str) -> bool:
+    def _leads_to(self, rel: bytes, kind: str) -> bool:
         """Whether `rel` is, or is a directory on the way to, something of `kind`."""
         inside = self.listdir(rel)
         return kind == "file" and inside is None or inside is not None and (
@@ -150,12 +148,12 @@ class WorkspaceView:
     def kind(self, value: bytes) -> str | None:
         """"file", "dir" or None (nothing there, or outside the workspace)."""
         rel = self._rel(value)
-        if rel is None:
-            return None
-        rel = rel.rstrip("/")
-        if rel in ("", "."):
+        if rel is None or _utf8_prefix(value) != value.decode("utf-8", "replace"):
+            return None                         # None, or it ends inside a character
+        rel = rel.rstrip(b"/")
+        if rel in (b"", b"."):
             return "dir"
-        head, _, last = rel.rpartition("/")
+        head, _, last = rel.rpartition(b"/")
         if last not in (self.listdir(head) or ()):
             return None
         return "dir" if self.listdir(rel) is not None else "file"
@@ -167,7 +165,7 @@ class WorkspaceView:
             return None
         if rel not in self._texts:
             self._texts[rel] = None
-            path = self.root / rel
+            path = self.root / os.fsdecode(rel)
             try:
                 if path.is_file() and path.stat().st_size <= MAX_TEXT_BYTES:
                     data = (self.files.read_text(path).encode() if self.files is not None
@@ -357,8 +355,8 @@ class _Parser:
             return True
         if phase == "value":
             return self._start_value(self._value_spec(frame), b, values)
-        if b == ord(","):                      # phase "comma"
-            if outer and "arguments" in seen:
+        if b == ord(","):                      # phase "comma": only when a key is left
+            if (outer and "arguments" in seen) or self._allowed_keys(frame) == []:
                 return False
             self.stack[-1] = frame[:3] + ("key",) + frame[4:]
             return True
@@ -435,7 +433,7 @@ class _Parser:
             if c == word[0] and spec.allows(t):
                 self.stack.append(("lit", word[1:].encode()))
                 return True
-        if (c == "-" or c.isdigit()) and (spec.allows("number") or spec.allows("integer")):
+        if c in "-0123456789" and (spec.allows("number") or spec.allows("integer")):
             self.stack.append(("num", spec, bytes([b])))
             return True
         return False

@@ -15,6 +15,7 @@ prompts or parse tool calls.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -78,6 +79,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
+log = logging.getLogger(__name__)
 MAX_RESAMPLES = 16   # refused draws before the allowed tokens are searched in order
 
 
@@ -232,6 +234,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                     continue
                 t = _allowed(out.logits[b, -1], tok_l[b], p, gen, m.allows)
                 if t is None:                 # nothing allowed: the row goes on unconstrained
+                    log.info("constraint of row %d allows no token after %r", b,
+                             getattr(m, "state", None))
                     held[b] = None
                     continue
                 tok[b], tok_l[b] = t, t

@@ -2,6 +2,7 @@
 and agent loop holding a model to it."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -81,12 +82,22 @@ def test_calls_that_can_run_are_accepted(grammar, text):
      '"offset": '),
     ('<tool_call>\n{"name": "finish", "arguments": {"summary": "a\nb"}}', '"summary": "a'),
     ('<tool_call>\n{"name": "read_file", "arguments": {"content": "x"}}', '{"'),
+    ('<tool_call>\n{"name": "list_files", "arguments": {"path": "pkg", "glob": "*",',
+     '"glob": "*"'),                                                       # no key left
     (call("grep", pattern="a</tool_call>"), '"a</tool_call'),              # would end the block
     (b'<tool_call>\n{"name": "read_file", "arguments": {"path": "pkg/\xff', '"pkg/'),  # not UTF-8
 ])
 def test_calls_that_cannot_run_are_refused_where_they_go_wrong(grammar, text, refused_after):
     result = written(grammar, text)
     assert result.startswith("refused after") and result.endswith(refused_after + "'"), result
+
+
+def test_a_name_is_matched_up_to_a_character_cut_short(grammar, workspace):
+    (workspace / "café.py").write_text("x = 1\n")
+    start = b'<tool_call>\n{"name": "read_file", "arguments": {"path": "caf\xc3'
+    assert written(grammar, start + b'\xa9.py"}}') == "ok"
+    assert written(grammar, start + b'\xa8').startswith("refused")    # è: no such file
+    assert written(grammar, start + b'"').startswith("refused")        # cut short
 
 
 def test_a_turn_ends_outside_a_block_or_right_after_its_object(grammar):
@@ -96,6 +107,24 @@ def test_a_turn_ends_outside_a_block_or_right_after_its_object(grammar):
     assert not m.allows(STOP)
     m.skip(b"}}")
     assert m.allows(STOP)
+
+
+def test_no_dead_ends_on_random_walks(grammar):
+    """Wherever a block has got to, some byte is allowed (a dead end would leave the
+    generator nothing to draw). Random walks over the allowed bytes, seeded."""
+    rng = random.Random(3)
+    for _ in range(25):
+        m = grammar.matcher(lambda t: bytes([t]))
+        m.skip(b"<tool_call>\n")
+        text = b"<tool_call>\n"
+        for _ in range(300):
+            allowed = [b for b in range(256) if m.allows(b)]
+            assert allowed, f"dead end after {text!r}"
+            b = rng.choices(allowed, [8 if chr(b) in '"{}[]:,' else 1 for b in allowed])[0]
+            m.advance(b)
+            text += bytes([b])
+            if not m.in_call:
+                break
 
 
 def test_multi_byte_tokens_are_checked_whole(grammar):
