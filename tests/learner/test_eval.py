@@ -114,3 +114,34 @@ def test_json_output_has_the_numbers_and_every_episode(home):
     assert data["n"] == len(data["episodes"]) == 2
     assert data["solved"] == sum(e["reward"] > 0 for e in data["episodes"]) == 2
     assert sum(f["n"] for f in data["by_family"].values()) == 2
+
+
+class _GrammarTaker:
+    """A policy that takes a grammar and finishes at once, noting whether it got one."""
+    name, version, context_window = "grammar-taker", 0, 4096
+    accepts_grammar = True
+
+    def __init__(self):
+        self.grammars = []
+
+    def count_tokens(self, messages, tools=None):
+        return 10
+
+    def complete(self, messages, tools=None, *, grammar=None, **kw):
+        from agent_runtime.policies.base import Completion
+        self.grammars.append(grammar)
+        return Completion('<tool_call>\n{"name": "finish", "arguments": {"summary": "ok"}}'
+                          '\n</tool_call>', [1], [2], [0.0])
+
+
+def test_free_calls_evaluates_without_the_call_grammar(tmp_path):
+    from learner.eval import evaluate
+    tasks = resolve_tasks("sim-heldout", 1, 0, None)
+    seen = {}
+    for constrain in (True, False):
+        policy = _GrammarTaker()
+        with SessionStore(tmp_path / f"home-{constrain}") as store:
+            evaluate(tasks, lambda _t: policy, store, sandbox="off", constrain_calls=constrain)
+        seen[constrain] = policy.grammars
+    assert seen[True] and all(g is not None for g in seen[True])
+    assert seen[False] and all(g is None for g in seen[False])
