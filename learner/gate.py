@@ -22,7 +22,9 @@ the fixed margin and the runs are large enough to tell, and always when it excee
 cannot tell a real drop from chance, so it stays strict.
 
 The last two watch for the reward hacks Cursor reported with online RL from user signals:
-emitting broken tool calls so nothing can go wrong, and asking instead of acting. A rejected
+emitting broken tool calls so nothing can go wrong, and asking instead of acting. The episodes
+run without the call grammar (`free_calls`): the engine serves calls held to what can run,
+which would hide a candidate whose own calls broke. A rejected
 candidate's reason names every number that regressed. The serving version's numbers are
 cached by its state hash (`gate_cache.json`), so each version is evaluated once. The gate's
 episodes are recorded in a store of their own (`$APPRENTICE_HOME/learner/gate/`), marked as
@@ -61,6 +63,10 @@ class GateConfig:
     max_noise_margin: float = 0.10  # ... but never by more than this on noise grounds: a
                                     # handful of calls must not excuse any rise
     sandbox: str | None = None      # "auto" | "off" | "require"; None: $APPRENTICE_SANDBOX
+    free_calls: bool = True         # run the episodes without the call grammar
+                                    # (AgentConfig.constrain_calls), so that the invalid rate
+                                    # is the model's own: serving holds calls to what can run
+                                    # and would hide a candidate that learned to break them
 
 
 @dataclass
@@ -134,6 +140,7 @@ class Gate:
         c = self.config
         if c.n_tasks <= 0:
             return GateMetrics()
+        from agent_runtime.agent import AgentConfig
         from agent_runtime.store import SessionStore
         from learner.rollout import run_episodes
         from learner.tasks import generate
@@ -142,8 +149,9 @@ class Gate:
         tasks = generate("heldout", c.n_tasks, seed=c.seed)
         with SessionStore(self.state_dir / "gate") as store:
             episodes = run_episodes(lambda _t: policy, tasks, store, concurrency=c.concurrency,
-                                    max_steps=c.max_steps, sandbox=c.sandbox,
-                                    origin=ORIGIN_EVAL)
+                                    sandbox=c.sandbox, origin=ORIGIN_EVAL,
+                                    agent_config=AgentConfig(max_steps=c.max_steps,
+                                                             constrain_calls=not c.free_calls))
             calls = invalid = no_call = 0
             for e in episodes:
                 kinds = call_kinds(store, e.session_id)
