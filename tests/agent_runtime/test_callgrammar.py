@@ -12,10 +12,10 @@ from agent_runtime.callgrammar import CallGrammar, WorkspaceView
 from agent_runtime.model import load_model
 from agent_runtime.model.generate import SamplingParams, generate
 from agent_runtime.policies import load_policy
-from agent_runtime.policies.base import Completion
 from agent_runtime.store import SessionStore
 from agent_runtime.toolcalls import check_calls, parse_tool_calls
 from agent_runtime.tools.registry import default_tools
+from fake_policies import GrammarTaker
 from tiny_checkpoints import VOCAB, save_hf_checkpoint, save_tiny_agent_checkpoint
 
 STOP = 10_000                                      # a stop token id of the byte matcher
@@ -203,26 +203,9 @@ def test_engine_writes_a_call_the_grammar_accepts(tmp_path, workspace):
 
 # -- the agent loop ----------------------------------------------------------------------
 
-class Recording:
-    """A policy that takes a grammar and writes one finish call, recording what it was given."""
-    name, version, context_window = "recording", 0, 4096
-    accepts_grammar = True
-
-    def __init__(self):
-        self.grammars = []
-
-    def count_tokens(self, messages, tools=None):
-        return 10
-
-    def complete(self, messages, tools=None, *, grammar=None, **kw):
-        self.grammars.append(grammar)
-        text = call("finish", summary="done")
-        return Completion(text=text, prompt_ids=[1], completion_ids=[2], logprobs=[0.0])
-
-
 @pytest.mark.parametrize("constrain", [True, False])
 def test_agent_hands_the_policy_a_grammar_of_its_tools_and_workspace(tmp_path, workspace, constrain):
-    policy = Recording()
+    policy = GrammarTaker()
     store = SessionStore(tmp_path / "home")
     result = Agent(policy, store=store, workspace=workspace,
                    config=AgentConfig(max_steps=2, constrain_calls=constrain)).run("Finish.")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import re
 
+import sys
+from pathlib import Path
+
 from click.testing import CliRunner
 
 from agent_runtime.cli import main
@@ -12,6 +15,8 @@ from agent_runtime.store import SessionStore
 from learner.eval import EvalReport, format_report, resolve_tasks
 from learner.rollout import Episode, rewards
 from learner.tasks import load_tasks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 
 SUMMARY = re.compile(r"^pass@1 (\d+\.\d)% \((\d+)/(\d+)\)  mean steps (\d+\.\d)  "
                      r"mean tokens (\d+)$")
@@ -116,30 +121,13 @@ def test_json_output_has_the_numbers_and_every_episode(home):
     assert sum(f["n"] for f in data["by_family"].values()) == 2
 
 
-class _GrammarTaker:
-    """A policy that takes a grammar and finishes at once, noting whether it got one."""
-    name, version, context_window = "grammar-taker", 0, 4096
-    accepts_grammar = True
-
-    def __init__(self):
-        self.grammars = []
-
-    def count_tokens(self, messages, tools=None):
-        return 10
-
-    def complete(self, messages, tools=None, *, grammar=None, **kw):
-        from agent_runtime.policies.base import Completion
-        self.grammars.append(grammar)
-        return Completion('<tool_call>\n{"name": "finish", "arguments": {"summary": "ok"}}'
-                          '\n</tool_call>', [1], [2], [0.0])
-
-
 def test_free_calls_evaluates_without_the_call_grammar(tmp_path):
+    from fake_policies import GrammarTaker
     from learner.eval import evaluate
     tasks = resolve_tasks("sim-heldout", 1, 0, None)
     seen = {}
     for constrain in (True, False):
-        policy = _GrammarTaker()
+        policy = GrammarTaker()
         with SessionStore(tmp_path / f"home-{constrain}") as store:
             evaluate(tasks, lambda _t: policy, store, sandbox="off", constrain_calls=constrain)
         seen[constrain] = policy.grammars
