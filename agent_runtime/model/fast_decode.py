@@ -47,10 +47,13 @@ def extension() -> Any:
                 from torch.utils.cpp_extension import load
                 log.info("building the C++ decode step (once per machine)")
                 # -march=native: the few-row matmul kernel vectorizes for this CPU; the name
-                # keeps builds for different CPU capabilities apart in a shared cache folder
+                # keeps builds for different CPU capabilities apart in a shared cache folder.
+                # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is
+                # compiled into this module; without the flag the kernel ran on one thread
                 cap = torch.backends.cpu.get_cpu_capability().lower()
-                _ext = load(name=f"apprentice_decode_{cap}", sources=[str(SOURCE)],
-                            extra_cflags=["-O3", "-march=native"], verbose=False)
+                _ext = load(name=f"apprentice_decode_{cap}_omp", sources=[str(SOURCE)],
+                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                            extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:          # no compiler or ninja: the Python path serves
                 _failed = f"{type(e).__name__}: {e}"
                 log.warning("C++ decode step unavailable, decoding in Python: %s", _failed)
