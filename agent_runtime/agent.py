@@ -232,8 +232,7 @@ class Agent:
         self.steps += 1
         held = {}
         if self.grammar is not None:          # the workspace as it is now
-            files = self.tool_context.extras.get("files")
-            held = {"grammar": self.grammar.at(WorkspaceView(self.workspace, files))}
+            held = {"grammar": self.grammar.at(WorkspaceView(self.workspace))}
         completion = self.policy.complete(
             self.context.messages, self.schemas, max_new_tokens=self.config.max_new_tokens,
             on_text=self.callbacks.on_text, should_stop=self.cancel_event.is_set, **held)

@@ -17,19 +17,20 @@ which next tokens keep it inside that language, and the generator (`model.genera
       that argument ARG names (edit_file's `old`); "differs:ARG" not equal to argument ARG
     - no end-of-turn token inside a block
 
-Paths are checked against the workspace as it is when the call starts (directories are listed
-lazily, one `listdir` each), file text through the front end's `FileAccess` when it has one
-(an editor's unsaved buffers). Everything is checked on bytes, so a token may end inside a
-UTF-8 character. This module decides what is well formed; it neither samples (the generator
+Paths and file text are checked against the workspace on disk as it is when the call starts
+(directories are listed lazily, one `listdir` each). An editor's unsaved buffers are not seen;
+the ACP bridge's tools carry no `references`, so there only the form is held. Everything is
+checked on bytes, so a token may end inside a UTF-8 character. This module decides what is well formed; it neither samples (the generator
 does) nor runs or validates calls after the fact (`toolcalls` does, for every policy).
 """
 
 from __future__ import annotations
 
 import codecs
+import copy
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -41,6 +42,7 @@ MAX_WS = 8                                  # whitespace bytes in a row inside a
 MAX_NUMBER = 20                             # characters of a number
 MAX_TEXT_BYTES = 2 * 2**20                  # larger files: `text:` is not checked
 _NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_NUMBER_PREFIX = re.compile(rb"-?(0|[1-9][0-9]*)?(\.[0-9]*)?([eE][+-]?[0-9]*)?")
 _ESCAPES = {ord('"'): b'"', ord("\\"): b"\\", ord("/"): b"/", ord("b"): b"\b",
             ord("f"): b"\f", ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t"}
 
@@ -90,9 +92,8 @@ class WorkspaceView:
 
     MOUNT = os.fsencode(MOUNT.rstrip("/") + "/")
 
-    def __init__(self, workspace: str | Path, files: Any = None):
-        self.root = Path(os.path.realpath(workspace))
-        self.files = files                      # a tools.files.FileAccess, or None
+    def __init__(self, workspace: str | Path):
+        self.root = os.fsencode(os.path.realpath(workspace))
         self._dirs: dict[bytes, list[bytes] | None] = {}
         self._texts: dict[bytes, bytes | None] = {}
 
@@ -112,10 +113,9 @@ class WorkspaceView:
     def listdir(self, rel: bytes) -> list[bytes] | None:
         """The names in directory `rel`, or None when it is not a directory inside."""
         if rel not in self._dirs:
-            path = os.path.join(os.fsencode(self.root), rel) if rel else os.fsencode(self.root)
+            path = os.path.join(self.root, rel) if rel else self.root
             try:
-                real = os.path.realpath(path)
-                ok = os.path.commonpath([real, os.fsencode(self.root)]) == os.fsencode(self.root)
+                ok = os.path.commonpath([os.path.realpath(path), self.root]) == self.root
                 self._dirs[rel] = sorted(os.listdir(path)) if ok and os.path.isdir(path) else None
             except OSError:
                 self._dirs[rel] = None
@@ -147,9 +147,13 @@ class WorkspaceView:
 
     def kind(self, value: bytes) -> str | None:
         """"file", "dir" or None (nothing there, or outside the workspace)."""
+        try:
+            value.decode("utf-8")               # not inside a character, not broken
+        except UnicodeDecodeError:
+            return None
         rel = self._rel(value)
-        if rel is None or _utf8_prefix(value) != value.decode("utf-8", "replace"):
-            return None                         # None, or it ends inside a character
+        if rel is None:
+            return None
         rel = rel.rstrip(b"/")
         if rel in (b"", b"."):
             return "dir"
@@ -165,13 +169,12 @@ class WorkspaceView:
             return None
         if rel not in self._texts:
             self._texts[rel] = None
-            path = self.root / os.fsdecode(rel)
+            path = os.path.join(self.root, rel)
             try:
-                if path.is_file() and path.stat().st_size <= MAX_TEXT_BYTES:
-                    data = (self.files.read_text(path).encode() if self.files is not None
-                            else path.read_bytes())
-                    self._texts[rel] = data.replace(b"\r\n", b"\n")
-            except (OSError, ValueError):
+                if os.path.isfile(path) and os.path.getsize(path) <= MAX_TEXT_BYTES:
+                    with open(path, "rb") as f:
+                        self._texts[rel] = f.read().replace(b"\r\n", b"\n")
+            except OSError:
                 pass
         return self._texts[rel]
 
@@ -195,8 +198,8 @@ class CallGrammar:
 
     def at(self, view: WorkspaceView | None) -> "CallGrammar":
         """The same tools, seen against `view` (the workspace as it is now)."""
-        grammar = object.__new__(CallGrammar)
-        grammar.tools, grammar.names, grammar.view = self.tools, self.names, view
+        grammar = copy.copy(self)
+        grammar.view = view
         return grammar
 
     def matcher(self, token_bytes: Callable[[int], bytes], stop_ids: Iterable[int] = ()
@@ -369,8 +372,7 @@ class _Parser:
         if outer:
             if key == "name":
                 return Spec(frozenset({"string"}), self.g.names)
-            tool = dict(values).get("name", b"").decode()
-            return self.g.tools.get(tool, ANY) if tool in self.g.tools else ANY
+            return self.g.tools.get(dict(values).get("name", b"").decode(), ANY)
         if spec is None or spec.props is None:
             return ANY
         return spec.props.get(key, ANY)
@@ -440,11 +442,9 @@ class _Parser:
 
     def _num_prefix_ok(self, frame: tuple) -> bool:
         text, spec = frame[2], frame[1]
-        if not (spec.allows("number") or not spec.types) and re.search(rb"[.eE]", text):
+        if not spec.allows("number") and re.search(rb"[.eE]", text):
             return False                        # an integer has no fraction or exponent
-        return re.fullmatch(rb"-?(0|[1-9][0-9]*)?(\.[0-9]*)?([eE][+-]?[0-9]*)?", text) is not None \
-            and not (text.startswith(b"-0") and len(text) > 2 and text[2:3].isdigit()) \
-            and not (text.startswith(b"0") and len(text) > 1 and text[1:2].isdigit())
+        return _NUMBER_PREFIX.fullmatch(text) is not None
 
     def _num_complete(self, frame: tuple) -> bool:
         return _NUMBER.fullmatch(frame[2]) is not None

@@ -60,13 +60,10 @@ class EnginePolicy:
         specials = getattr(tokenizer, "special_tokens", {}) or {}
         self.stop_token_ids = sorted({specials[t] for t in END_OF_TURN if t in specials}
                                      | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
-        self._bytes: dict[int, bytes] = {}
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes token id `token` decodes to (cached)."""
-        if token not in self._bytes:
-            self._bytes[token] = self.tokenizer.decode_bytes([token])
-        return self._bytes[token]
+        """The bytes token id `token` decodes to (the tokenizer's own table)."""
+        return self.tokenizer.decode_bytes([token])
 
     @classmethod
     def load(cls, spec: str = "default", config: EngineConfig | None = None, version: int = 0,
@@ -155,7 +152,8 @@ class EnginePolicy:
         grammar = list(grammar) if grammar is not None else [None] * n
         if not len(tools) == len(on_text) == len(should_stop) == len(grammar) == n:
             raise ValueError(f"complete_many: {n} conversations but {len(tools)} tools, "
-                             f"{len(on_text)} on_text and {len(should_stop)} should_stop entries")
+                             f"{len(on_text)} on_text, {len(should_stop)} should_stop and "
+                             f"{len(grammar)} grammar entries")
         prompts = [self.render(m, t) for m, t in zip(conversations, tools)]
         skip = set(self.stop_token_ids)
         streams = [_TextStream(self.tokenizer, skip, sink) for sink in on_text]

@@ -2,6 +2,7 @@
 and agent loop holding a model to it."""
 
 import json
+import os
 import random
 
 import pytest
@@ -215,7 +216,7 @@ def test_agent_hands_the_policy_a_grammar_of_its_tools_and_workspace(tmp_path, w
         assert g is None
         return
     assert set(g.tools) == {t.name for t in default_tools()}
-    assert g.view.root == workspace.resolve()
+    assert g.view.root == os.fsencode(workspace.resolve())
     turn = parse_tool_calls(call("read_file", path="README.md"))
     assert written(g, call("read_file", path="README.md")) == "ok"
     assert not check_calls(turn.calls, {t.name: t for t in default_tools()})[0].error
