@@ -24,19 +24,41 @@ class Task:
     files = {"calc.py": "def add(a, b):\n    return a - b\n"}
 
 
-def c(name, **arguments):
-    return {"name": name, "arguments": arguments}
+def c(message_id, name, **arguments):
+    return {"message_id": message_id, "name": name, "arguments": arguments}
 
 
-@pytest.mark.parametrize("calls,rating", [
-    ([c("run_command", command="python -m pytest -q"), c("finish", summary="ok")], 1),
-    ([c("finish", summary="ok"), c("run_command", command="pytest")], 0),   # tests after finish
-    ([c("write_file", path="calc.py", content="x"), c("run_command", command="pytest"),
-      c("finish", summary="ok")], -1),                                     # rewrote a file
-    ([c("write_file", path="new.py", content="x"), c("finish", summary="ok")], 0),  # new file
-    ([c("edit_file", path="calc.py", old="-", new="+"), c("finish", summary="ok")], 0)])
-def test_the_simulated_user_rates_by_its_rules(calls, rating):
-    assert load_bench().taste(Task(), calls) == rating
+@pytest.mark.parametrize("calls,rating,messages", [
+    ([c(1, "run_command", command="pytest"), c(2, "run_command", command="python -m pytest -q"),
+      c(3, "finish", summary="ok")], 1, [(2, 1)]),                       # the last test run
+    ([c(1, "finish", summary="ok"), c(2, "run_command", command="pytest")], 0,
+     [(1, -1)]),                                                          # tests after finish
+    ([c(1, "write_file", path="calc.py", content="x"), c(2, "run_command", command="pytest"),
+      c(3, "write_file", path="calc.py", content="y"), c(3, "finish", summary="ok")], -1,
+     [(1, -1), (3, -1)]),                                                 # rewrote a file
+    ([c(1, "write_file", path="new.py", content="x"), c(2, "finish", summary="ok")], 0,
+     [(2, -1)]),                                                          # a new file is fine
+    ([c(1, "edit_file", path="calc.py", old="-", new="+")], 0, [])])      # never finished
+def test_the_simulated_user_rates_by_its_rules(calls, rating, messages):
+    assert load_bench().taste(Task(), calls) == (rating, messages)
+
+
+def test_message_ratings_cover_only_the_messages_they_name(tmp_path):
+    """What `--rate messages` records reaches only the samples of the rated model calls."""
+    from agent_runtime.store import SessionStore
+    from learner.sentiment import rated_sample_ids, sample_rewards
+    store = SessionStore(tmp_path)
+    sid = store.create_session("task", str(tmp_path), "m", 1)
+    mids = []
+    for i in range(3):
+        mids.append(store.add_message(sid, 0, "assistant", f"turn {i}"))
+        store.add_sample(sid, 0, mids[-1], [1, 2], [3 + i], [-0.5], None, 1)
+        store.add_message(sid, 0, "tool", "ok", name="run_command")
+    store.set_status(sid, "finished")
+    load_bench().rate(store, sid, 1, [(mids[1], 1)], "messages")
+    ids = rated_sample_ids(store)
+    assert len(ids) == 1 and sample_rewards(store, ids) == {ids[0]: 1.0}
+    assert store.samples_by_id(ids)[0]["message_id"] == mids[1]
 
 
 def test_a_smoke_run_measures_before_and_after(tmp_path, capsys, one_thread, monkeypatch):
