@@ -70,6 +70,7 @@ UPCAST_CPU = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "ZVECTOR"
 
 
 KERNEL_ROWS = 8  # CPU bf16 matmuls of at most this many rows (decode) run in csrc/decode.cpp
+FUSED_EXPERTS = True  # ... and the routed experts of at most that many bf16 rows, in one call
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,6 +198,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape                                                 # x [N, H]
+        if FUSED_EXPERTS and N <= KERNEL_ROWS and x.dtype == torch.bfloat16 \
+                and self.gate_up.dtype == torch.bfloat16 and x.device.type == "cpu" \
+                and not (torch.is_grad_enabled() and self.gate_up.requires_grad):
+            ext = _extension()                    # decode: all chosen experts in one call,
+            if ext is not None:                   # bitwise the loops below
+                return ext.moe_rows(x, idx, w, self.gate_up, self.down)
         if N == 1:                                                       # decode: k small matmuls
             out = None
             for e, we in zip(idx.tolist()[0], w.tolist()[0]):

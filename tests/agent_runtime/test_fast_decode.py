@@ -68,3 +68,28 @@ def test_the_environment_turns_it_off(built, monkeypatch, tmp_path):
     model = load_model(save_hf_checkpoint("qwen3_moe", tmp_path / "m"), dtype="float32")
     monkeypatch.setenv(fast_decode.ENV, "0")
     assert fast_decode.stepper(model) is None
+
+
+@pytest.mark.parametrize("experts,hidden,width,top_k", [(8, 64, 48, 2), (4, 40, 24, 3),
+                                                        (16, 32, 80, 4)])
+def test_the_fused_experts_are_bitwise_the_expert_by_expert_loops(built, monkeypatch, experts,
+                                                                  hidden, width, top_k):
+    """`moe_rows` (all chosen experts of a decode step in one call) against the loops of
+    `Experts.forward`, for one row (top-k order) and for several (`index_add_`'s sum)."""
+    from agent_runtime.model import model as M
+    layer = M.Experts.__new__(M.Experts)
+    torch.nn.Module.__init__(layer)
+    g = torch.Generator().manual_seed(experts)
+    layer.gate_up = torch.nn.Parameter(
+        (torch.randn(experts, 2 * width, hidden, generator=g) * 0.1).bfloat16(), False)
+    layer.down = torch.nn.Parameter(
+        (torch.randn(experts, hidden, width, generator=g) * 0.1).bfloat16(), False)
+    for rows in range(1, M.KERNEL_ROWS + 1):
+        for _ in range(4):
+            x = torch.randn(rows, hidden, generator=g).bfloat16()
+            w, idx = torch.randn(rows, experts, generator=g).softmax(-1).topk(top_k, -1)
+            monkeypatch.setattr(M, "FUSED_EXPERTS", False)
+            loops = layer(x, idx, w.bfloat16())
+            monkeypatch.setattr(M, "FUSED_EXPERTS", True)
+            fused = layer(x, idx, w.bfloat16())
+            assert torch.equal(loops.view(torch.int16), fused.view(torch.int16)), (rows, top_k)
