@@ -7,6 +7,7 @@ must run."""
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -140,9 +141,16 @@ def test_a_killed_actor_is_replaced_and_no_group_is_trained_twice(ray_cluster, c
     pipe, _, _ = build(ckpt, tmp_path, steps=5)
     seen = trained_sessions(pipe)
 
+    def first_contact() -> list[dict]:
+        return [r for r in pipe.backend.reports if r["index"] == 0 and r["incarnation"] == 2]
+
     def kill_one(row):
         if row["step"] == 2:
             ray_cluster.kill(pipe.backend.slots[0].actor, no_restart=True)
+        if row["step"] == 3:      # hold the trainer until the new actor has come up: on a busy
+            deadline = time.monotonic() + 180   # machine its start outlasts the run otherwise
+            while not first_contact() and time.monotonic() < deadline:
+                time.sleep(0.2)
     pipe.run(on_step=kill_one)
     backend = pipe.backend
     assert pipe.trainer.step_count == 5
@@ -150,7 +158,7 @@ def test_a_killed_actor_is_replaced_and_no_group_is_trained_twice(ray_cluster, c
     assert len(backend.rerun) == 1                # its group in flight ran again
     assert not [sid for sid, n in Counter(seen).items() if n > 1]
     assert len(seen) == 5 * 2 * 4
-    new = [r for r in backend.reports if r["index"] == 0 and r["incarnation"] == 2]
+    new = first_contact()
     assert new and new[0].get("full")             # the new actor's first contact: full state
 
 
