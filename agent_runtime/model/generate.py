@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -126,7 +127,7 @@ class LoopGuard:
 
     def __init__(self, span: int):
         self.span = span
-        self.tokens: list[int] = []
+        self.tokens: deque[int] = deque(maxlen=self.MAX_PERIOD + 1)   # the tail it compares
         self.runs = [0] * (self.MAX_PERIOD + 1)      # runs[p]: tail length equal to p back
 
     def push(self, token: int) -> bool:
