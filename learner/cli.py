@@ -375,11 +375,13 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
     from agent_runtime.store import default_home
     from learner.eval import format_comparison
     from learner.recipe import RECIPES, STAGES, run_recipe
+    from learner.recipe.stages import check_stages
     config = RECIPES[name]()
     chosen = tuple(_families(stages) or STAGES)
-    unknown = [s for s in chosen if s not in STAGES]
-    if unknown:
-        raise click.BadParameter(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
+    try:
+        check_stages(chosen)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--stages") from None
     config.pretrain.device = config.sft.device = config.grpo.device = config.eval.device = device
     if eval_n is not None:
         config.eval.n = eval_n

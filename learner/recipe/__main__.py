@@ -18,6 +18,7 @@ import tarfile
 from pathlib import Path
 
 from learner.recipe import RECIPES, STAGES, run_recipe
+from learner.recipe.stages import check_stages
 
 
 def export(out: Path, dest: Path) -> list[Path]:
@@ -61,6 +62,10 @@ def main() -> None:
     if args.processes:
         config.sft.workers = config.eval.processes = args.processes
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    try:
+        check_stages(stages)
+    except ValueError as exc:
+        ap.error(str(exc))
     run_recipe(args.out, config, stages)
     if args.export:
         for path in export(args.out, args.export):

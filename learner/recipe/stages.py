@@ -1,4 +1,5 @@
-"""The recipe's stages, run in order with resume: tokenizer, corpus, pretrain, sft, grpo, eval.
+"""The recipe's stages, run in order with resume: tokenizer, corpus, pretrain, sft_data, sft,
+grpo, eval.
 
 Each stage writes into its own folder under the recipe folder and ends by writing
 `metrics.json` (its numbers, its wall time and its config). A stage whose `metrics.json`
@@ -58,9 +59,18 @@ def stage_done(out: Path, stage: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def check_stages(stages: tuple[str, ...]) -> None:
+    """ValueError naming the stages that are not the recipe's (a typo would skip them)."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown recipe stage(s): {', '.join(unknown)}; the stages are "
+                         f"{', '.join(STAGES)}")
+
+
 def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES,
                log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run `stages` (in recipe order) into `out`, skipping finished ones; returns metrics."""
+    check_stages(stages)
     out = Path(out)
     results: dict[str, dict] = {}
     for stage in STAGES:

@@ -578,3 +578,10 @@ def test_sft_copy_windows_are_their_share_as_long_as_episodes_and_never_renamed(
     rng = random.Random(0)
     assert flip(*copies[0], rng)[0] is copies[0][0]           # a copy window passes
     assert flip(*episodes[0], rng)[0][-1] == start            # an episode is transformed
+
+
+def test_an_unknown_stage_is_an_error_not_a_skipped_stage(tmp_path):
+    from learner.recipe import RECIPES, run_recipe
+    with pytest.raises(ValueError, match="unknown recipe stage.*sfft.*sft_data"):
+        run_recipe(tmp_path / "r", RECIPES["toy"](), ("tokenizer", "sfft"))
+    assert not (tmp_path / "r").exists()
