@@ -186,7 +186,10 @@ void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
   const int64_t piece = std::max<int64_t>(4, (int64_t{1} << 16) / K / 4 * 4);
   const int64_t pieces = (N + piece - 1) / piece;
   const int64_t jobs = static_cast<int64_t>(ws.size()) * pieces;
-  at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
+  // as rows_kernel: at least 128k weights a thread, else on the calling thread (waking the
+  // other threads costs more than reading a few small matrices)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (piece * K));
+  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int64_t g = j / pieces, lo = (j % pieces) * piece, hi = std::min(N, lo + piece);
       rows_range_any(count[g], xp + start[g] * K, ws[g], N, K, nullptr, yp + start[g] * N,
