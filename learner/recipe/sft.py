@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -146,9 +145,6 @@ def _garble(text: str, rng: random.Random) -> str:
     return text[:i] + text[i + 1:] if rng.random() < 0.5 else text[:i] + text[i] + text[i:]
 
 
-TAG = re.compile(r"\[\w+\] ")
-
-
 def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]]:
     """The oracle's turns with one slip inserted: before a turn that edits or reads a file, a
     turn making only that call with its `old` text or path garbled (the tool then answers with
@@ -175,8 +171,7 @@ def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]
     args[field] = f"{head}/{garbled}" if head else garbled
     say = turns[i].split("<tool_call>", 1)[0].strip()
     slip = render_turn(say, [{"name": call.name, "arguments": args}])
-    tag = TAG.match(say)                   # the oracle's task tag opens every turn
-    recover = (tag.group(0) if tag else "") + rng.choice(RECOVER_SAY[call.name])
+    recover = rng.choice(RECOVER_SAY[call.name])
     fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
     return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
 

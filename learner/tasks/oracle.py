@@ -4,12 +4,6 @@
 reading (`read_file`, `grep`, `run_command` to reproduce), editing (`edit_file`,
 `write_file`), checking (`run_command` with the tests or the failing command) and `finish`,
 each turn a short sentence and its `<tool_call>` blocks, exactly as a model would write them.
-Every sentence opens with the kind of task in brackets (`[rename] Let me find all uses.`,
-`FAMILY_TAGS`): the harness a model trained on these episodes learns. A small model decides
-each turn's step from its recent text, and the families' steps look alike from there (a grep
-result is followed by "The bug is ..." in a rename task; measured on the shipped model's
-held-out failures); a tag its earlier turns wrote is one token back from where each turn
-starts, which its induction head copies, so the kind of task stays in view all episode.
 It proves every family solvable and its sessions are supervised warm-up data. It is a
 `ReplayPolicy` underneath, so token counts, the chat template and the store see a normal
 policy. It does not look at tool results: a plan that fails shows up in the grade.
@@ -22,9 +16,6 @@ import json
 from agent_runtime.policies.replay import ReplayPolicy
 
 ORACLE_NAME = "oracle"
-FAMILY_TAGS = {"fix_command": "command", "fix_import": "import", "fix_bug": "bug",
-               "rename_symbol": "rename", "implement_function": "implement",
-               "add_feature": "feature"}
 
 
 def render_turn(say: str, calls: list[dict]) -> str:
@@ -39,11 +30,9 @@ def script(task) -> list[str]:
     if not isinstance(plan, dict) or "turns" not in plan:
         raise ValueError(f"task {task.id} has no oracle plan (only generated tasks, or task "
                          "folders exported with their solution, have one)")
-    tag = f"[{FAMILY_TAGS[task.family]}] " if task.family in FAMILY_TAGS else ""
-    turns = [render_turn((tag + t.get("say", "")).strip(), t["calls"]) for t in plan["turns"]]
+    turns = [render_turn(t.get("say", ""), t["calls"]) for t in plan["turns"]]
     summary = plan.get("summary") or "Done."
-    turns.append(render_turn(tag + "Done.", [{"name": "finish",
-                                              "arguments": {"summary": summary}}]))
+    turns.append(render_turn("Done.", [{"name": "finish", "arguments": {"summary": summary}}]))
     return turns
 
 

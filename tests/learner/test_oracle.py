@@ -74,15 +74,6 @@ def test_script_is_tool_call_text_and_ends_with_finish():
     assert json.loads(last)["name"] == "finish"
 
 
-def test_every_turn_opens_with_the_tag_of_its_task_family():
-    from learner.tasks import FAMILIES
-    from learner.tasks.oracle import FAMILY_TAGS
-    assert set(FAMILY_TAGS) == set(FAMILIES) and len(set(FAMILY_TAGS.values())) == len(FAMILIES)
-    for task in generate("train", 12):
-        tag = f"[{FAMILY_TAGS[task.family]}] "
-        assert all(t.startswith(tag) for t in script(task)), task.id
-
-
 def test_oracle_needs_a_plan(tmp_path):
     (tmp_path / "repo").mkdir()
     (tmp_path / "task.json").write_text('{"instruction": "x", "test": "true"}')

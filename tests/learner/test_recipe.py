@@ -233,16 +233,14 @@ def test_a_skipped_sample_stays_as_context_but_is_not_trained_on():
     assert [t for t, m in zip(ids, mask) if m] == [11, eos]
 
 
-@pytest.mark.parametrize("tag", ["", "[bug] "])
-def test_a_slip_garbles_one_call_and_the_turn_after_it_recovers(tag):
+def test_a_slip_garbles_one_call_and_the_turn_after_it_recovers():
     from agent_runtime.toolcalls import parse_tool_calls
     from learner.recipe.sft import with_slip
     from learner.tasks.oracle import render_turn
-    turns = [render_turn(tag + "Reading.", [{"name": "read_file",
-                                            "arguments": {"path": "pkg/mod.py"}}]),
-             render_turn(tag + "Fixing.", [{"name": "edit_file", "arguments": {
+    turns = [render_turn("Reading.", [{"name": "read_file", "arguments": {"path": "pkg/mod.py"}}]),
+             render_turn("Fixing.", [{"name": "edit_file", "arguments": {
                  "path": "pkg/mod.py", "old": "return a - b", "new": "return a + b"}}]),
-             render_turn(tag + "Done.", [{"name": "finish", "arguments": {"summary": "ok"}}])]
+             render_turn("Done.", [{"name": "finish", "arguments": {"summary": "ok"}}])]
     seen = set()
     for seed in range(20):
         out, slips = with_slip(turns, random.Random(seed))
@@ -256,7 +254,6 @@ def test_a_slip_garbles_one_call_and_the_turn_after_it_recovers(tag):
         assert slip.name == fixed[0].name and slip.arguments[field] != fixed[0].arguments[field]
         assert abs(len(slip.arguments[field]) - len(fixed[0].arguments[field])) == 1
         assert not out[i + 1].startswith(out[i].split("<tool_call>")[0])   # a new sentence
-        assert out[i + 1].startswith(tag) and out[i].startswith(tag)       # the task's tag
         assert out[:i] + out[i + 2:] == turns[:i] + turns[i + 1:]
         seen.add(slip.name)
     assert seen == {"read_file", "edit_file"}
