@@ -139,6 +139,11 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 template <int M>
 constexpr int kBlock = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
 
+// x's rows as the dot products read them (XRow: bf16 as stored, or fp32), contiguous.
+at::Tensor as_xrows(const at::Tensor& x) {
+  return x.to(std::is_same<XRow, float>::value ? at::kFloat : at::kBFloat16).contiguous();
+}
+
 // Outputs begin..end of y [M, N] = x [M, K] @ w [N, K]^T (+ b), on the calling thread.
 template <int M>
 void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
@@ -180,7 +185,7 @@ void rows_kernel(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const f
 void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
                   const std::vector<int64_t>& start, const std::vector<int64_t>& count,
                   int64_t N, int64_t K, at::Tensor& y) {
-  auto xr = xs.to(std::is_same<XRow, float>::value ? at::kFloat : at::kBFloat16).contiguous();
+  auto xr = as_xrows(xs);
   const auto* xp = static_cast<const XRow*>(xr.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
   const int64_t piece = std::max<int64_t>(4, (int64_t{1} << 16) / K / 4 * 4);
@@ -240,7 +245,8 @@ at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   }
   TORCH_CHECK(static_cast<int64_t>(order.size()) == S, "moe_rows: expert id out of range");
   auto token = at::empty({S}, ids.options());
-  for (int64_t p = 0; p < S; ++p) token.data_ptr<int64_t>()[p] = order[p] / k;
+  int64_t* tp = token.data_ptr<int64_t>();
+  for (int64_t p = 0; p < S; ++p) tp[p] = order[p] / k;
   auto xs = x.contiguous().index_select(0, token);                  // [S, H]
   auto gu = at::empty({S, 2 * I}, x.options());
   grouped_rows(xs, wgu, start, count, 2 * I, H, gu);
@@ -252,9 +258,9 @@ at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   const auto* yp = ys.data_ptr<at::BFloat16>();
   auto out = at::empty({M, H}, x.options());
   auto* op = out.data_ptr<at::BFloat16>();
-  std::vector<int64_t> pos(S);
-  for (int64_t p = 0; p < S; ++p) pos[order[p]] = p;
   if (M == 1) {
+    std::vector<int64_t> pos(S);                   // slot j's row of ys
+    for (int64_t p = 0; p < S; ++p) pos[order[p]] = p;
     for (int64_t j = 0; j < k; ++j) {
       const float g = static_cast<float>(wp[j]);
       const at::BFloat16* y = yp + pos[j] * H;
@@ -284,8 +290,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && w.dim() == 2);
   const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
   TORCH_CHECK(x.size(-1) == K && M >= 1 && M <= kRows, "rows_linear: at most 8 rows of width ", K);
-  auto xr = x.reshape({M, K}).to(std::is_same<XRow, float>::value ? at::kFloat : at::kBFloat16)
-                .contiguous();
+  auto xr = as_xrows(x.reshape({M, K}));
   auto wc = w.contiguous();
   at::Tensor bf;
   if (b.has_value() && b->defined()) bf = b->to(at::kFloat).contiguous();
