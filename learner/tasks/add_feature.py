@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 
-from learner.tasks.repo import (Context, Draft, Phrase, add_import_call, assert_line, call,
-                                case_tests, composed, finish_repo, func_imports, hidden_path,
-                                module_doc, module_source, package_files, phrase, reads,
-                                test_source, tests_check, turn)
+from learner.tasks.repo import (Context, Draft, Phrase, assert_line, call, case_tests,
+                                finish_repo, func_imports, hidden_path, module_doc,
+                                module_source, package_files, phrase, reads, test_source,
+                                tests_check, turn, add_import_call)
 
 NAME = "add_feature"
 
@@ -30,17 +30,6 @@ PHRASES = [
     Phrase("Could you add `{sig}` to the {pkg} package, in `{path}`? {doc} {example}It needs a "
            "test as well{where}.", heldout=True),
 ]
-
-# Composed training phrasings (never held out): a new function, its spec, and a test.
-PHRASES += composed(
-    ["", "Hi! ", "Next task: "],
-    ["add `{sig}` to `{path}`. {doc} {example}",
-     "I need a new function `{sig}` in `{path}`. {doc} {example}",
-     "write `{sig}` in `{path}`. {doc} {example}",
-     "{pkg} should get `{sig}` (in `{path}`). {doc} {example}",
-     "new function for `{path}`: `{sig}`. {doc} {example}"],
-    ["Add a test for it{where}.", "Include a test{where}.", "Write a test too{where}.",
-     "Test it{where}."])
 
 
 def build(ctx: Context) -> Draft:

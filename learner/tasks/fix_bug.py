@@ -9,11 +9,11 @@ function (and the caller) on inputs where the bug shows.
 
 from __future__ import annotations
 
-from learner.tasks.repo import (Context, Draft, Phrase, Retry, assert_line, call, case_tests,
-                                composed, describe, differs, edit_call, finish_repo, func_imports,
-                                hidden_path, make_caller, module_doc, module_source, outcome,
-                                package_files, phrase, python_check, reads, test_source,
-                                tests_check, turn)
+from learner.tasks.repo import (Context, Draft, Phrase, Retry, case_tests, describe, differs,
+                                edit_call, finish_repo, func_imports, hidden_path, make_caller,
+                                module_doc, module_source, outcome, package_files, phrase,
+                                python_check, reads, test_source, tests_check, turn, call,
+                                assert_line)
 
 NAME = "fix_bug"
 
@@ -48,19 +48,6 @@ PHRASES = [
     Phrase("{pkg} regression: expected {expected} from `{call}`, observed {actual}. Fix it.",
            heldout=True),
 ]
-
-# Composed training phrasings (never held out): a wrong result, said in many ways.
-PHRASES += composed(
-    ["", "Bug: ", "Hi, ", "Found a problem in {pkg}. ", "Quick fix needed: "],
-    ["`{call}` returns {actual} but should return {expected}",
-     "`{call}` gives {actual}; the right answer is {expected}",
-     "calling `{call}` produces {actual} instead of {expected}",
-     "`{fn}` is wrong: `{call}` is {actual}, I want {expected}",
-     "the result of `{call}` should be {expected}, not {actual}",
-     "`{call}` should equal {expected} (it is {actual} now)",
-     "`{fn}` in `{path}` computes the wrong value: `{call}` is {actual}, expected {expected}"],
-    [". Please fix it.", ". Fix the code.", ". Find the bug and fix it.",
-     ". Fix the function, not the tests.", ".", ". Can you fix that?"])
 
 KIND_WORDS = {"operator": "a wrong operator", "off_by_one": "an off-by-one error",
               "constant": "a wrong constant", "condition": "a wrong condition"}

@@ -10,10 +10,9 @@ command on the repository's file and on a fresh file, and check the printed line
 
 from __future__ import annotations
 
-from learner.tasks.repo import (Context, Draft, Phrase, call, case_tests, composed, edit_call,
-                                finish_repo, func_imports, hidden_path, module_doc, module_source,
-                                outcome, package_files, phrase, reads, test_source, tests_check,
-                                turn)
+from learner.tasks.repo import (Context, Draft, Phrase, call, case_tests, edit_call, finish_repo,
+                                func_imports, hidden_path, module_doc, module_source, outcome,
+                                package_files, phrase, reads, test_source, tests_check, turn)
 
 NAME = "fix_command"
 
@@ -30,21 +29,6 @@ PHRASES = [
     Phrase("Fix the {pkg} command line tool: `{command}` should print `{expected}` instead of "
            "failing. {constraint}", heldout=True),
 ]
-
-# Composed training phrasings (never held out): a crashing command and the output it owes.
-PHRASES += composed(
-    ["", "Help: ", "Bug in {pkg}: ", "Hi, ", "Urgent. "],
-    ["`{command}` fails with `{error}`",
-     "running `{command}` raises `{error}`",
-     "`{command}` stopped working: `{error}`",
-     "`{command}` errors out with `{error}`",
-     "when I run `{command}` I get `{error}`",
-     "the {pkg} CLI crashes: `{command}` ends with `{error}`"],
-    [". It should print `{expected}`. {constraint}",
-     ". Expected output: `{expected}`. {constraint}",
-     ". Please fix it so it prints `{expected}`. {constraint}",
-     "; the right output is `{expected}`. {constraint}",
-     ". Fix the program: it must print `{expected}`. {constraint}"])
 CONSTRAINTS = ("Fix the program, not the data.", "Don't edit the CSV file; it is correct.",
                "The data file is fine; change the code.", "Leave `{data}` as it is.")
 BREAKS = ("column", "header", "concat", "argv", "decimals")

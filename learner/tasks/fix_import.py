@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from learner.tasks.repo import (Context, Draft, Phrase, Retry, add_import_call, call, case_tests,
-                                composed, finish_repo, func_imports, hidden_path, make_caller,
-                                module_doc, module_source, package_files, phrase, reads,
-                                test_source, tests_check, turn)
+from learner.tasks.repo import (Context, Draft, Phrase, Retry, add_import_call, call,
+                                case_tests, finish_repo,
+                                func_imports, hidden_path, make_caller, module_doc,
+                                module_source, package_files, phrase, reads, test_source,
+                                tests_check, turn)
 
 NAME = "fix_import"
 
@@ -29,17 +30,6 @@ PHRASES = [
     Phrase("After a refactor, {pkg} raises `{error}`. Reproduce it with `{command}` and fix "
            "the cause.", heldout=True),
 ]
-
-# Composed training phrasings (never held out): an import error and the command showing it.
-PHRASES += composed(
-    ["", "Bug: ", "Hi, ", "Since the last commit, ", "Broken import in {pkg}. "],
-    ["`{command}` fails with `{error}`",
-     "running `{command}` raises `{error}`",
-     "`{command}` dies: `{error}`",
-     "I see `{error}` from `{command}`",
-     "the imports are broken: `{command}` gives `{error}`"],
-    [". Fix the imports.", ". Please fix it.", ". Make the command work again.",
-     ". Fix the code so it runs.", ". Repair it."])
 
 VARIANTS = ("missing_import", "wrong_module", "wrong_source", "missing_stdlib")
 

@@ -7,10 +7,10 @@ documented behaviour, edge cases included.
 
 from __future__ import annotations
 
-from learner.tasks.repo import (Context, Draft, Phrase, call, case_tests, composed, edit_call,
-                                finish_repo, func_imports, hidden_path, module_doc, module_source,
+from learner.tasks.repo import (Context, Draft, Phrase, call, case_tests, finish_repo,
+                                func_imports, hidden_path, module_doc, module_source,
                                 package_files, phrase, python_check, reads, test_source,
-                                tests_check, turn, with_docstring)
+                                tests_check, turn, with_docstring, edit_call)
 
 NAME = "implement_function"
 
@@ -28,18 +28,6 @@ PHRASES = [
     Phrase("Code the missing logic of {pkg}'s {fn}, found in `{path}`. Follow the docstring "
            "exactly, including the edge cases it mentions.", heldout=True),
 ]
-
-# Composed training phrasings (never held out): a stub to fill from its docstring.
-PHRASES += composed(
-    ["", "Hi! ", "Next task: ", "In {pkg}, "],
-    ["implement {fn} in `{path}`",
-     "write the body of {fn} (`{path}`)",
-     "{fn} in `{path}` is empty; implement it",
-     "fill in {fn} in `{path}`",
-     "{fn} (in {pkg}) only has a docstring; write the code",
-     "complete the stub {fn} in `{path}`"],
-    [". Follow the docstring.", " so that the docstring examples hold.",
-     ". The docstring says what it must do.", ".", ". Keep the signature."])
 
 STUBS = ("    raise NotImplementedError\n", "    # TODO: implement\n    raise NotImplementedError\n",
          "    pass  # TODO\n", '    raise NotImplementedError("not written yet")\n', "    ...\n")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from learner.tasks.repo import (Context, Draft, Phrase, Retry, call, case_tests, composed,
-                                finish_repo, func_imports, hidden_path, make_caller, module_doc,
+from learner.tasks.repo import (Context, Draft, Phrase, Retry, call, case_tests, finish_repo,
+                                func_imports, hidden_path, make_caller, module_doc,
                                 module_source, package_files, phrase, python_check, reads,
                                 test_source, tests_check, turn)
 
@@ -33,21 +33,6 @@ PHRASES = [
     Phrase("Do a project-wide rename of `{old}` to `{new}` (see `{path}`). No trace of the old "
            "name should remain.", heldout=True),
 ]
-
-# Composed training phrasings (never held out): which words name a rename, in many orders.
-PHRASES += composed(
-    ["", "Refactor request: ", "Small cleanup in {pkg}. ", "Hi! ", "Naming: "],
-    ["rename `{old}` to `{new}`",
-     "rename the function `{old}` (in `{path}`) to `{new}`",
-     "change the name `{old}` to `{new}`",
-     "`{old}` should be called `{new}`",
-     "give `{old}` the new name `{new}`",
-     "replace the name `{old}` with `{new}` across {pkg}",
-     "call the function `{new}` instead of `{old}`",
-     "the function `{old}` gets a better name, `{new}`"],
-    [".", ". Update every caller and import.", " in every module of {pkg}.",
-     ". The tests must still pass.", ". Nothing should use the old name afterwards.",
-     ", imports included."])
 
 NEW_PREFIXES = ("compute_", "calc_", "get_", "find_")
 

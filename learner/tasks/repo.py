@@ -39,38 +39,18 @@ TEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1
 class Phrase:
     text: str                                  # str.format template
     heldout: bool = False                      # only the held-out split uses it
-    composed: bool = False                     # built by `composed` from parts
 
     def fields(self) -> set[str]:
         return set(re.findall(r"{(\w+)", self.text))
 
 
-def composed(openers: list[str], cores: list[str], closers: list[str]) -> list[Phrase]:
-    """Training phrasings built from parts: every opener + core + closer (the core starts
-    with a capital after an empty opener or one that ends a sentence). A handful of whole
-    sentences per family teaches a small model those sentences; hundreds of combinations
-    teach it which words name the task (held-out phrasings are written apart from these)."""
-    out = []
-    for opener in openers:
-        for core in cores:
-            if not opener or opener.rstrip()[-1:] in ".!?":
-                core = core[:1].upper() + core[1:]
-            for closer in closers:
-                out.append(Phrase(opener + core + closer, composed=True))
-    return out
-
-
 def phrase(ctx: "Context", phrases: list[Phrase], **values: Any) -> str:
     """Pick a phrasing of the context's split whose fields are all given, and fill it in;
-    `ctx.phrase` records which one. Where a family has composed phrasings (training), half
-    the draws take one of them and half one of its whole sentences."""
+    `ctx.phrase` records which one."""
     heldout = ctx.split == "heldout"
     pool = [i for i, p in enumerate(phrases) if p.heldout == heldout and p.fields() <= set(values)]
     if not pool:
         raise ValueError(f"no {ctx.split} phrasing for fields {sorted(values)}")
-    whole = [i for i in pool if not phrases[i].composed]
-    if whole and len(whole) < len(pool):       # half whole sentences, half composed ones
-        pool = whole if ctx.rng.random() < 0.5 else [i for i in pool if phrases[i].composed]
     index = ctx.rng.choice(pool)
     ctx.phrase = (index, phrases[index].heldout)
     return phrases[index].text.format(**values)
