@@ -30,13 +30,16 @@ LISTING = VALID.replace('"read_file", "arguments": {"path": "calc.py"}',
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny checkpoint taught two behaviours, one per task, so that the liked and the disliked
-    sessions are different completions (a random model's are two draws of the same noise)."""
+    sessions are different completions (a random model's are two draws of the same noise).
+    Taught, not saturated (~0.8 a token): a completion given at ~0.99 a token (90 steps) has
+    almost no room to become likelier, and its shift is then the size of bf16 rounding
+    (+0.0001 nats a token measured at 90 steps; +0.02 at 30)."""
     import torch
     torch.set_num_threads(1)
     path = save_tiny_agent_checkpoint(tmp_path_factory.mktemp("ckpt"))
     prompts = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
                for task in (LIKED_TASK, DISLIKED_TASK)]
-    teach(path, load_policy(str(path), dtype="bfloat16"), prompts, [VALID, LISTING], steps=90)
+    teach(path, load_policy(str(path), dtype="bfloat16"), prompts, [VALID, LISTING], steps=30)
     return path
 
 
