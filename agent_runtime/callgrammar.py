@@ -224,6 +224,7 @@ class CallMatcher:
         self.grammar, self.token_bytes, self.stop_ids = grammar, token_bytes, stop_ids
         self.state = _State()
         self._tried: dict[int, _State | None] = {}
+        self._first: dict[int, bool] = {}      # first byte -> allowed alone in this state
 
     @property
     def in_call(self) -> bool:
@@ -234,22 +235,49 @@ class CallMatcher:
                                              # its object: the parser tolerates that)
             return self.state.mode == "free" or (self.state.mode == "json" and self.state.done)
         if token not in self._tried:
-            self._tried[token] = _Parser(self.grammar, self.state).feed(self.token_bytes(token))
-        return self._tried[token] is not None
+            data = self.token_bytes(token)
+            if data and not self._first_allowed(data[0]):
+                return False                   # the parser reads bytes in order: a token
+            self._tried[token] = _Parser(self.grammar, self.state).feed(data)  # whose first
+        return self._tried[token] is not None  # byte is refused is refused, whatever follows
+
+    def refused(self) -> Any:
+        """A bool tensor [V]: the tokens this state refuses by their first byte alone (stop
+        tokens never: `allows` decides them), or None when the token table has no `first`
+        index (`policies.engine.TokenBytes`). A draw the grammar refused masks these at once
+        instead of finding them one token at a time."""
+        first = getattr(self.token_bytes, "first", None)
+        if first is None:
+            return None
+        import torch
+        ok = torch.tensor([self._first_allowed(b) for b in range(256)] + [True])
+        out = ~ok[first]
+        stops = [t for t in self.stop_ids if 0 <= t < len(out)]
+        out[stops] = False
+        return out
+
+    def _first_allowed(self, byte: int) -> bool:
+        """Whether this state takes `byte` as its next byte (memoized per state: a search
+        through the vocabulary for an allowed token asks for thousands of tokens that share
+        a few hundred first bytes)."""
+        ok = self._first.get(byte)
+        if ok is None:
+            ok = self._first[byte] = _Parser(self.grammar, self.state).feed(bytes([byte])) is not None
+        return ok
 
     def skip(self, text: bytes) -> None:
         """Take text that is already written (a message's prefilled beginning)."""
         state = _Parser(self.grammar, self.state).feed(text)
         if state is None:
             raise ValueError(f"{text!r} is outside the call grammar")
-        self.state, self._tried = state, {}
+        self.state, self._tried, self._first = state, {}, {}
 
     def advance(self, token: int) -> None:
         if token not in self.stop_ids:
             if not self.allows(token):
                 raise ValueError(f"token {token} is outside the call grammar")
             self.state = self._tried[token]
-        self._tried = {}
+        self._tried, self._first = {}, {}
 
 
 class _Parser:

@@ -44,6 +44,23 @@ class EngineConfig:
                                             # configured one) until one does not loop
 
 
+
+class TokenBytes:
+    """token id -> the bytes it decodes to, kept for the call grammar (which asks for
+    thousands of tokens when a draw is refused); `first` [V]: each token's first byte (-1:
+    none), so a grammar state can refuse every token of a refused first byte at once."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.table = [tokenizer.decode_bytes([t]) for t in range(tokenizer.vocab_size)]
+        self.first = torch.tensor([b[0] if b else -1 for b in self.table], dtype=torch.long)
+
+    def __call__(self, token: int) -> bytes:
+        if 0 <= token < len(self.table):
+            return self.table[token]
+        return self.tokenizer.decode_bytes([token])
+
+
 class EnginePolicy:
     """A checkpoint + tokenizer + chat template, usable by the agent loop and directly."""
 
@@ -56,6 +73,7 @@ class EnginePolicy:
         self.config = config or EngineConfig()
         self.context_window = model.args.max_position
         self._lock = threading.Lock()
+        self._tokens: TokenBytes | None = None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)
         specials = getattr(tokenizer, "special_tokens", {}) or {}
         self.stop_token_ids = sorted({specials[t] for t in END_OF_TURN if t in specials}
@@ -63,7 +81,12 @@ class EnginePolicy:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes token id `token` decodes to (the tokenizer's own table)."""
-        return self.tokenizer.decode_bytes([token])
+        return self._token_table()(token)
+
+    def _token_table(self) -> "TokenBytes":
+        if self._tokens is None:
+            self._tokens = TokenBytes(self.tokenizer)
+        return self._tokens
 
     @classmethod
     def load(cls, spec: str = "default", config: EngineConfig | None = None, version: int = 0,
@@ -116,7 +139,7 @@ class EnginePolicy:
         grammars = kw.pop("grammar", None)
         held = None
         if grammars is not None and any(g is not None for g in grammars):
-            held = [g.matcher(self.token_bytes, self.stop_token_ids) if g is not None else None
+            held = [g.matcher(self._token_table(), self.stop_token_ids) if g is not None else None
                     for g in grammars]
         params = self._params(max_new_tokens, max(len(p) for p in prompts), **kw)
         with self._lock:

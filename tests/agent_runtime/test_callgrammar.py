@@ -13,6 +13,7 @@ from agent_runtime.callgrammar import CallGrammar, WorkspaceView
 from agent_runtime.model import load_model
 from agent_runtime.model.generate import SamplingParams, generate
 from agent_runtime.policies import load_policy
+from agent_runtime.policies.engine import TokenBytes
 from agent_runtime.store import SessionStore
 from agent_runtime.toolcalls import check_calls, parse_tool_calls
 from agent_runtime.tools.registry import default_tools
@@ -183,11 +184,13 @@ def test_generator_draws_only_allowed_tokens_with_the_models_own_logprobs(model,
     assert (own - torch.tensor(g.logprobs)).abs().max().item() < 1e-4
 
 
-def test_engine_writes_a_call_the_grammar_accepts(tmp_path, workspace):
+@pytest.mark.parametrize("table", [False, True])
+def test_engine_writes_a_call_the_grammar_accepts(tmp_path, workspace, table):
     policy = load_policy(str(save_tiny_agent_checkpoint(tmp_path / "ckpt")), temperature=1.0,
                          seed=0, max_new_tokens=200)
     grammar = CallGrammar(default_tools(), WorkspaceView(workspace))
-    m = grammar.matcher(policy.token_bytes, policy.stop_token_ids)
+    token_bytes = TokenBytes(policy.tokenizer) if table else policy.token_bytes  # refused()
+    m = grammar.matcher(token_bytes, policy.stop_token_ids)                    # on or off
     start = b"<tool_call>\n"
     m.skip(start)
     prompt = policy.tokenizer.encode("<|im_start|>assistant\n<tool_call>\n")
@@ -195,11 +198,24 @@ def test_engine_writes_a_call_the_grammar_accepts(tmp_path, workspace):
                    seed=0, stop_token_ids=policy.stop_token_ids), constraints=[m])[0]
     assert out.forced                               # random weights: most draws were refused
     text = start + policy.tokenizer.decode_bytes(out.tokens)
-    assert written(grammar, text.decode()) == "ok"
+    assert written(grammar, text) == "ok"           # bytes: text after a call is free
     free = generate(policy.model, [prompt], SamplingParams(max_new_tokens=200, temperature=1.0,
                     seed=0, stop_token_ids=policy.stop_token_ids))[0]
     assert written(grammar, (start + policy.tokenizer.decode_bytes(free.tokens)).decode(
         errors="replace")) != "ok"
+
+
+def test_a_refused_first_byte_refuses_every_token_it_starts(tmp_path, workspace):
+    policy = load_policy(str(save_tiny_agent_checkpoint(tmp_path / "ckpt")))
+    grammar = CallGrammar(default_tools(), WorkspaceView(workspace))
+    m = grammar.matcher(TokenBytes(policy.tokenizer), policy.stop_token_ids)
+    m.skip(b'<tool_call>\n{"name": "read_file", "arguments": {"path": "pk')
+    refused = m.refused()
+    allowed = [m.allows(t) for t in range(len(refused))]
+    assert not any(a for a, r in zip(allowed, refused.tolist()) if r)    # never a wrong refusal
+    assert any(allowed) and refused.sum() > 0.9 * len(refused)           # a path: few go on
+    assert not refused[policy.stop_token_ids].any()
+    assert grammar.matcher(policy.token_bytes, policy.stop_token_ids).refused() is None
 
 
 # -- the agent loop ----------------------------------------------------------------------
