@@ -40,8 +40,9 @@ FOLLOWUP_DISSATISFIED = "followup_dissatisfied"  # "that's wrong", "undo that" (
 RUN_CANCELLED = "run_cancelled"            # the user stopped the run mid-way
 PERMISSION_REJECTED = "permission_rejected"  # the user declined a tool call
 TESTS_GREEN = "tests_green"                # the session's own last test run passed
+RAN_OUT = "ran_out"                        # the agent used every model call, never finished
 IMPLICIT_SOURCES = (EDIT_KEPT, EDIT_REVERTED, FOLLOWUP_DISSATISFIED, RUN_CANCELLED,
-                    PERMISSION_REJECTED, TESTS_GREEN)
+                    PERMISSION_REJECTED, TESTS_GREEN, RAN_OUT)
 FEEDBACK_SOURCES = (EXPLICIT, *IMPLICIT_SOURCES)   # plugins may declare more (hooks.py)
 SOURCE_DESCRIPTIONS = {
     EXPLICIT: "a rating the user gave (command line, TUI, editor)",
@@ -51,6 +52,7 @@ SOURCE_DESCRIPTIONS = {
     RUN_CANCELLED: "the user stopped the run",
     PERMISSION_REJECTED: "the user declined a tool call the agent proposed",
     TESTS_GREEN: "the session's last test command passed",
+    RAN_OUT: "the agent used its whole step budget without finishing",
 }
 
 # -- session origins: who made the session -----------------------------------------------------

@@ -18,6 +18,8 @@ it with an explicit rating. The reward table (rating x weight):
     (a plugin's source)     +1/-1   0.5     what it rates            the plugin records it
     tests_green             +1      0.5     session                  the session's last test
                                                                      command exited 0
+    ran_out                 -1      0.25    session                  the agent used its step
+                                                                     budget, never finished
 
 Edits are judged when a later session starts in the same workspace, or `edit_delay_s` after
 the session ended (the files compared with `edits.json`, which the agent loop writes);
@@ -39,6 +41,14 @@ that very message. A thumbs up on a session that reached its goal despite a malf
 rates the session's good calls, not the malformed one; and a policy cannot learn to dodge
 negative ratings by emitting invalid calls (the reward hack Cursor reported), since those are
 penalized whatever the session's rating.
+
+`ran_out` closes the same kind of hole for the rated behaviour: a user who dislikes how the
+agent finishes (a `finish` without running the tests, say) rates sessions that finish, and a
+policy that stops calling `finish` escapes every such rating. bench/online.py measured it: an
+update that moved the disliked completions 3-7x more than the default one took the probe's
+sessions that end in `finish` from 37 of 48 to 14 of 48 in eight cycles, the rest running out
+of steps, unrated. A session that runs out is a run the user has to take over, as a cancelled
+one is: the same small weight.
 
 Not here: the update (`online.py`), the store's schema (`agent_runtime.store.migrations`).
 """
@@ -65,6 +75,7 @@ REWARD_WEIGHTS = {
     names.RUN_CANCELLED: 0.25,
     names.PERMISSION_REJECTED: 0.5,
     names.TESTS_GREEN: 0.5,
+    names.RAN_OUT: 0.25,
 }
 INVALID_CALL_REWARD = -0.5          # at most this for a model call whose tool call did not parse
 
@@ -122,11 +133,14 @@ def derive_signals(store: Any, config: SignalConfig | None = None) -> int:
 
 
 def _turn_signals(store: Any, session: dict) -> list[dict]:
-    """Cancelled run, declined calls, dissatisfied follow-ups, a green last test run."""
+    """Cancelled or ran-out run, declined calls, dissatisfied follow-ups, a green last test
+    run."""
     out: list[dict] = []
     known = {(f["message_id"], f["source"]) for f in store.feedback(session["id"])}
     if session["status"] == names.CANCELLED:
         out.append({"rating": -1, "source": names.RUN_CANCELLED})
+    elif session["status"] == names.BUDGET_EXHAUSTED:
+        out.append({"rating": -1, "source": names.RAN_OUT})
     calls = store.tool_calls(session["id"])
     for c in calls:
         if (c["result"] or "").startswith(names.DECLINED_PREFIX) \

@@ -47,7 +47,7 @@ def workspace(tmp_path):
 
 def run(store, workspace, script, **config):
     agent = Agent(ReplayPolicy(script), store=store, workspace=workspace,
-                  config=AgentConfig(max_steps=5, **config))
+                  config=AgentConfig(**{"max_steps": 5, **config}))
     return agent.run("fix add")
 
 
@@ -134,6 +134,19 @@ def test_a_green_last_test_run_is_a_positive_signal(store, workspace):
     run(store, workspace, [EDIT, TEST, FINISH])
     derive_signals(store)
     assert names.TESTS_GREEN in sources(store)
+
+
+def test_a_run_that_uses_its_step_budget_without_finishing_is_a_negative_signal(
+        store, workspace):
+    read = call("read_file", path="calc.py")
+    ran_out = run(store, workspace, [read, read, read], max_steps=2)
+    finished = run(store, workspace, [read, FINISH], max_steps=2)
+    derive_signals(store)
+    rows = {(f["session_id"], f["source"]): f["rating"] for f in store.feedback()}
+    assert rows[(ran_out.session_id, names.RAN_OUT)] == -1
+    assert (finished.session_id, names.RAN_OUT) not in rows
+    sample = store.samples(ran_out.session_id)[0]["id"]
+    assert sample_rewards(store, [sample]) == {sample: -0.25}
 
 
 def test_a_dissatisfied_follow_up_rates_the_turn_before_it(store, workspace):
