@@ -44,7 +44,6 @@ class EngineConfig:
                                             # configured one) until one does not loop
 
 
-
 class TokenBytes:
     """token id -> the bytes it decodes to, kept for the call grammar (which asks for
     thousands of tokens when a draw is refused); `first` [V]: each token's first byte (-1:
