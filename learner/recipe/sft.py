@@ -59,6 +59,9 @@ class SFTConfig:
                                     # (`pretrain.copy_window`, as long as the episodes)
     slip_share: float = 0.0         # share of the episodes with one slip and its recovery
                                     # (`with_slip`; the slip itself is not trained on)
+    misfix_share: float = 0.0       # share of the episodes whose fix first goes in with a typo,
+                                    # the check fails, and the next turn repairs it
+                                    # (`with_misfix`; the typo'd edit is not trained on)
     heldout_tasks: int = 0          # held-out-split instances solved by the oracle too: the
                                     # SFT checkpoint's loss and exact next tokens on their
                                     # assistant turns (a cheap proxy for pass@1, no decoding)
@@ -74,11 +77,16 @@ class RecordingOracle(OraclePolicy):
     turn of its plan is first played with a copying mistake (`with_slip`); `slips` holds the
     texts of such turns, which the data masks out."""
 
-    def __init__(self, task, tokenizer, template, context_window: int, slip: bool = False):
+    def __init__(self, task, tokenizer, template, context_window: int, slip: bool = False,
+                 misfix: bool = False):
         super().__init__(task, context_window=context_window)
         self.tokenizer, self.template = tokenizer, template
         self.slips: set[str] = set()
-        if slip:
+        self.misfix: dict | None = None         # the typo'd edit call, when one was played
+        if misfix:
+            self.turns, self.slips, self.misfix = with_misfix(self.turns,
+                                                              random.Random(f"misfix:{task.id}"))
+        elif slip:
             self.turns, self.slips = with_slip(self.turns, random.Random(task.id))
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -176,6 +184,58 @@ def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]
     return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
 
 
+MISFIX_SAY = ["That did not fix it: my edit has a typo. Correcting it.",
+              "Still failing. The text I wrote is not right; fixing my edit.",
+              "The check still fails, so my edit was wrong. Correcting the typo."]
+
+
+def with_misfix(turns: list[str], rng: random.Random) -> tuple[list[str], set[str], dict | None]:
+    """The oracle's turns with its fix first written wrong: the first turn making exactly one
+    `edit_file` call and followed by a `run_command` check is played with one letter of its
+    `new` text dropped or doubled, then the check (which should now fail), then a turn that
+    says so and repairs the edit (`old` the typo'd text, `new` the right one), then the check
+    again and the rest of the plan. Teaches reading the check's outcome instead of finishing
+    after it whatever it printed (an oracle's checks always pass, so nothing else in the
+    data shows a failed one). Returns the turns, the set of turns not to train on (the typo'd
+    one) and the typo'd call (the collector drops the episode if its check passed anyway);
+    the turns unchanged, an empty set and None when no turn qualifies."""
+    from agent_runtime.toolcalls import parse_tool_calls
+    from learner.tasks.oracle import render_turn
+    for i in range(len(turns) - 1):
+        calls, after = parse_tool_calls(turns[i]).calls, parse_tool_calls(turns[i + 1]).calls
+        if (len(calls) == 1 and calls[0].name == "edit_file"
+                and not (calls[0].arguments or {}).get("replace_all")
+                and [c.name for c in after] == ["run_command"]):
+            break
+    else:
+        return turns, set(), None
+    args = dict(calls[0].arguments)
+    before, after_text = str(args.get("old", "")), str(args.get("new", ""))
+    a = len(os.path.commonprefix([before, after_text]))         # the typo goes in what the
+    b = len(os.path.commonprefix([before[a:][::-1], after_text[a:][::-1]]))  # edit changes
+    changed = _garble(after_text[a:len(after_text) - b], rng)
+    typo = (after_text[:a] + changed + after_text[len(after_text) - b:] if changed
+            else _garble(after_text, rng))
+    if not typo or not args.get("path"):
+        return turns, set(), None
+    say = turns[i].split("<tool_call>", 1)[0].strip()
+    wrong = {"name": "edit_file", "arguments": {**args, "new": typo}}
+    misfix = render_turn(say, [wrong])
+    repair = render_turn(rng.choice(MISFIX_SAY), [{"name": "edit_file", "arguments": {
+        "path": args["path"], "old": typo, "new": args["new"]}}])
+    return turns[:i] + [misfix, turns[i + 1], repair] + turns[i + 1:], {misfix}, wrong
+
+
+def _misfix_failed(store, session_id: str, wrong: dict) -> bool:
+    """Did the check after the typo'd edit `wrong` fail (a non-zero exit code)?"""
+    calls = store.tool_calls(session_id)
+    for n, c in enumerate(calls):
+        if c["name"] == "edit_file" and c["arguments"] == wrong["arguments"]:
+            check = next((d for d in calls[n + 1:] if d["name"] == "run_command"), None)
+            return check is not None and "[exit code: 0]" not in (check.get("result") or "")
+    return False
+
+
 # -- collecting ---------------------------------------------------------------------------------
 
 @dataclass
@@ -186,13 +246,14 @@ class Chunk:
     windows: list[int]              # each episode's context window
     task_seed: int = 0
     slipped: list[int] = field(default_factory=list)    # the numbers played with a slip
+    misfixed: list[int] = field(default_factory=list)   # ... with a typo'd fix (`with_misfix`)
     split: str = "train"
 
 
 def _collect_chunk(chunk: Chunk) -> dict:
     """Run the oracle on some tasks (one process); return their sequences and counts."""
     tokenizer_dir, numbers, windows = chunk.tokenizer_dir, chunk.numbers, chunk.windows
-    slipped = set(chunk.slipped)
+    slipped, misfixed = set(chunk.slipped), set(chunk.misfixed)
     from agent_runtime.model import load_tokenizer
     from agent_runtime.model.chat_template import ChatTemplate
     from agent_runtime.store import SessionStore
@@ -204,12 +265,13 @@ def _collect_chunk(chunk: Chunk) -> dict:
     eos = tok.special_tokens["<|im_end|>"]
     all_tasks = sim.generate(chunk.split, max(numbers) + 1, seed=chunk.task_seed)
     out = {"seqs": [], "episodes": 0, "passed": 0, "samples": 0, "merged": 0, "summaries": 0,
-           "slips": 0}
+           "slips": 0, "misfixes": 0, "misfix_dropped": 0}
     with tempfile.TemporaryDirectory(prefix="apprentice-sft-") as home:
         store = SessionStore(home)
         for number, window in zip(numbers, windows):
             task = all_tasks[number]
-            policy = RecordingOracle(task, tok, template, window, slip=number in slipped)
+            policy = RecordingOracle(task, tok, template, window, slip=number in slipped,
+                                     misfix=number in misfixed)
             try:
                 ep = run_episode(policy, task, store, max_steps=30)
             except Exception:                   # a broken instance must not stop the stage
@@ -218,11 +280,16 @@ def _collect_chunk(chunk: Chunk) -> dict:
             if not ep.passed:
                 continue
             out["passed"] += 1
+            if policy.misfix is not None:
+                if not _misfix_failed(store, ep.session_id, policy.misfix):
+                    out["misfix_dropped"] += 1      # its check passed: "still failing" is false
+                    continue
+                out["misfixes"] += 1
             samples = store.samples(ep.session_id)
             out["samples"] += len(samples)
             out["summaries"] += len({s["segment"] for s in samples}) - 1
             skip = [tok.decode(list(s["completion_ids"])) in policy.slips for s in samples]
-            out["slips"] += sum(skip)
+            out["slips"] += sum(skip) - (policy.misfix is not None)
             seqs, merged = merge_samples(samples, eos, skip)
             out["merged"] += merged
             out["seqs"].extend(seqs)
@@ -262,10 +329,11 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "tra
     windows = [rng.randint(*config.small_window) if rng.random() < config.summary_share
                else config.context_window for _ in range(n)]
     slipped = [i for i in range(n) if rng.random() < config.slip_share]
+    misfixed = [i for i in range(n) if rng.random() < config.misfix_share]
     numbers = list(range(n))
     k = max(1, min(n, config.workers or (os.cpu_count() or 2) - 1))
     chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped,
-                    split) for i in range(k)]
+                    misfixed, split) for i in range(k)]
     if k == 1:
         parts = [_collect_chunk(chunks[0])]
     else:
@@ -274,7 +342,8 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "tra
     seqs = [s for p in parts for s in p["seqs"]]
     save_sequences(out, seqs)
     stats = {key: sum(p[key] for p in parts) for key in ("episodes", "passed", "samples",
-                                                         "merged", "summaries", "slips")}
+                                                         "merged", "summaries", "slips",
+                                                         "misfixes", "misfix_dropped")}
     stats.update(sequences=len(seqs), tokens=sum(len(s[0]) for s in seqs),
                  trained_tokens=sum(sum(s[1]) for s in seqs))
     return stats

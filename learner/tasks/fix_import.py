@@ -119,7 +119,8 @@ def build(ctx: Context) -> Draft:
         {f"{pkg}.{home}": [target.name], f"{pkg}.{user}": [caller.name]}, hidden)}
 
     instruction = phrase(ctx, PHRASES, command=command, error=brk.error, pkg=pkg)
-    turns = _plan(ctx, brk, files, command, target.name, variant != "missing_stdlib")
+    turns = _plan(ctx, brk, files, command, target.name,
+                  f"{pkg}.{home}" if variant != "missing_stdlib" else None)
     summary = f"Fixed the import in {pkg}/{brk.broken}.py (`{brk.fix_line}`); `{command}` works."
     files = finish_repo(ctx, files, list(modules))
     return Draft(instruction, files, hidden_tests, {"turns": turns, "summary": summary},
@@ -127,15 +128,25 @@ def build(ctx: Context) -> Draft:
 
 
 def _plan(ctx: Context, brk: Breakage, files: dict, command: str, name: str,
-          search: bool) -> list[dict]:
-    """Reproduce, (find the definition,) read, fix the import, rerun (, run the tests)."""
+          home: str | None) -> list[dict]:
+    """Reproduce, (find the definition of `name` in module `home`,) read, fix the import,
+    rerun (, run the tests).
+
+    The sentences carry each fact the fix needs next to where it is used, so the copies a
+    small model makes are short: the turn after the search names the file it found, and the
+    fix's sentence names that file's module last, right before the import line that uses it
+    (not the misspelt module, which the error and the diagnosis mention and which a copy of
+    the nearest `pkg.` would otherwise continue)."""
     path = f"{ctx.pkg}/{brk.broken}.py"
     fix = call("edit_file", path=path, old=brk.bad_import, new=brk.fix_line) if brk.bad_import \
         else add_import_call(files[path], path, brk.fix_line)
     turns = [turn("Let me reproduce the error first.", call("run_command", command=command))]
-    if search:
+    read, say = reads(ctx, [path]), f"{brk.why}; the fix is `{brk.fix_line}`."
+    if home:
         turns.append(turn(f"Where is `{name}` defined?", call("grep", pattern=f"def {name}\\b")))
-    turns += [reads(ctx, [path]), turn(f"{brk.why}; the fix is `{brk.fix_line}`.", fix),
+        read["say"] = f"It is defined in `{home.replace('.', '/')}.py`. {read['say']}"
+        say = f"{brk.why}. `{name}` is in module `{home}`, so the fix is `{brk.fix_line}`."
+    turns += [read, turn(say, fix),
               turn("Running the command again.", call("run_command", command=command))]
     if ctx.rng.random() < 0.2:
         turns.append(tests_check(ctx))

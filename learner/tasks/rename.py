@@ -109,8 +109,12 @@ def build(ctx: Context) -> Draft:
                               "Searching for the old name."]),
                   call("grep", pattern=old)),        # no \b: see fix_bug.py
              reads(ctx, touched),
-             turn(rng.choice(["Renaming in each file.", "Now the rename, file by file.",
-                              "Applying the rename everywhere it appears."]),
+             # the sentence says both names again, as the task did (`X` to `Y`), so the
+             # calls copy them from nearby rather than from the task many tokens back
+             turn(rng.choice(["Renaming `{0}` to `{1}` in each file.",
+                              "Now the rename of `{0}` to `{1}`, file by file.",
+                              "Applying the rename of `{0}` to `{1}` everywhere it appears."]
+                             ).format(old, new),
                   *[call("edit_file", path=p, old=old, new=new, replace_all=True)
                     for p in touched])]
     (mod, caller), args = users[0], cases[0][0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -272,6 +273,53 @@ def test_slipped_episodes_pass_and_mask_the_slip(tok_dir, monkeypatch):
         trained = tok.decode([t for t, m in zip(ids, mask) if m])
         assert "does not exist" in text or "was not found" in text     # the tool saw the slip
         assert text.count("<|im_start|>assistant") == trained.count("<|im_end|>") + 1
+
+
+def test_misfix_plays_the_fix_with_a_typo_then_the_check_then_the_repair():
+    from agent_runtime.toolcalls import parse_tool_calls
+    from learner.recipe.sft import MISFIX_SAY, with_misfix
+    from learner.tasks.oracle import script
+    task = next(t for t in sim.generate("train", 12) if t.family == "fix_command")
+    turns = script(task)
+    out, skipped, wrong = with_misfix(turns, random.Random(0))
+    assert len(out) == len(turns) + 2 and len(skipped) == 1
+    i = out.index(next(iter(skipped)))
+    fix, = parse_tool_calls(turns[i]).calls
+    typo, = parse_tool_calls(out[i]).calls
+    assert typo.name == "edit_file" and typo.arguments == wrong["arguments"]
+    assert typo.arguments["old"] == fix.arguments["old"]
+    assert abs(len(typo.arguments["new"]) - len(fix.arguments["new"])) == 1
+    assert out[i + 1] == turns[i + 1]                       # the check, then the repair
+    repair, = parse_tool_calls(out[i + 2]).calls
+    assert out[i + 2].split("\n", 1)[0] in MISFIX_SAY
+    assert repair.arguments == {"path": fix.arguments["path"], "old": typo.arguments["new"],
+                                "new": fix.arguments["new"]}
+    assert out[:i] == turns[:i] and out[i + 3:] == turns[i + 1:]
+    rename = next(t for t in sim.generate("train", 12) if t.family == "rename_symbol")
+    assert with_misfix(script(rename), random.Random(0)) == (script(rename), set(), None)
+
+
+def test_misfixed_episodes_see_the_check_fail_and_train_only_the_repair(tok_dir, monkeypatch):
+    from learner.recipe import sft
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    families = [t.family for t in sim.generate("train", 6)]
+    numbers = [families.index("fix_bug"), families.index("fix_command"),
+               families.index("rename_symbol")]
+    out = sft._collect_chunk(sft.Chunk(str(tok_dir), numbers, [10**6] * 3, misfixed=numbers))
+    assert out["passed"] == 3 and out["misfixes"] + out["misfix_dropped"] == 2
+    assert out["misfixes"] >= 1 and out["slips"] == 0
+    tok = load_tokenizer(tok_dir)
+    repaired = 0
+    for ids, mask in out["seqs"]:
+        text = tok.decode(ids)
+        trained = tok.decode([t for t, m in zip(ids, mask) if m])
+        if any(say in trained for say in sft.MISFIX_SAY):
+            repaired += 1
+            assert re.search(r"\[exit code: [1-9]", text)      # the check saw the typo fail
+            assert text.count("<|im_start|>assistant") == trained.count("<|im_end|>") + 1
+        else:
+            assert text.count("<|im_start|>assistant") == trained.count("<|im_end|>")
+    assert repaired == out["misfixes"]
 
 
 def test_repeated_spans_copy_the_window_itself_and_are_fixed_by_the_step():
