@@ -74,8 +74,9 @@ class SFTConfig:
 class RecordingOracle(OraclePolicy):
     """`OraclePolicy` counting and rendering with a model's tokenizer and chat template, and
     answering summary requests with a summary of the conversation so far. With `slip`, one
-    turn of its plan is first played with a copying mistake (`with_slip`); `slips` holds the
-    texts of such turns, which the data masks out."""
+    turn of its plan is first played with a copying mistake (`with_slip`); with `misfix`
+    (instead), its fix is first played with a typo (`with_misfix`). `slips` holds the texts of
+    such turns, which the data masks out."""
 
     def __init__(self, task, tokenizer, template, context_window: int, slip: bool = False,
                  misfix: bool = False):
@@ -201,8 +202,8 @@ def with_misfix(turns: list[str], rng: random.Random) -> tuple[list[str], set[st
     the turns unchanged, an empty set and None when no turn qualifies."""
     from agent_runtime.toolcalls import parse_tool_calls
     from learner.tasks.oracle import render_turn
-    for i in range(len(turns) - 1):
-        calls, after = parse_tool_calls(turns[i]).calls, parse_tool_calls(turns[i + 1]).calls
+    parsed = [parse_tool_calls(t).calls for t in turns]
+    for i, (calls, after) in enumerate(zip(parsed, parsed[1:])):
         if (len(calls) == 1 and calls[0].name == "edit_file"
                 and not (calls[0].arguments or {}).get("replace_all")
                 and [c.name for c in after] == ["run_command"]):
@@ -289,7 +290,8 @@ def _collect_chunk(chunk: Chunk) -> dict:
             out["samples"] += len(samples)
             out["summaries"] += len({s["segment"] for s in samples}) - 1
             skip = [tok.decode(list(s["completion_ids"])) in policy.slips for s in samples]
-            out["slips"] += sum(skip) - (policy.misfix is not None)
+            if policy.misfix is None:           # a misfix episode's masked turn is its typo
+                out["slips"] += sum(skip)
             seqs, merged = merge_samples(samples, eos, skip)
             out["merged"] += merged
             out["seqs"].extend(seqs)
