@@ -9,9 +9,12 @@ The simulated user rates each one through the store, as `apprentice feedback` do
                `edit_file` would do)
 
 (a session showing both is disliked). It rates the message it means (`--rate messages`, the
-default): thumbs up on the test run before `finish`, thumbs down on each `write_file` that
-rewrote a file, and thumbs down on a `finish` that came without a test run; a session that
-never finished gets no rating. `--rate sessions` rates whole sessions instead (liked +1,
+default): thumbs up on the test run before `finish` and on that `finish`, thumbs down on
+each `write_file` that rewrote a file, and thumbs down on a `finish` that came without a test
+run; a session that never finished gets no rating. (Without the thumbs up on a `finish` that
+came after the tests, the only rating a `finish` could get was a thumbs down, and an update
+that concentrates on the rated decisions learned to stop finishing: probe sessions ending in
+`finish` 42 -> 17 of 48.) `--rate sessions` rates whole sessions instead (liked +1,
 disliked -1, neither unrated): every model call of the session carries the rating, so the
 one decision the taste is about is a few tokens among hundreds (measured: 8 cycles moved the
 liked rate by +0.0 points). Then one learning
@@ -63,7 +66,7 @@ def taste(task, calls: list[dict]) -> tuple[int, list[tuple[int, int]]]:
     tests = [c["message_id"] for c in calls[:finish] if c["name"] == "run_command"
              and TEST_RE.search(str((c["arguments"] or {}).get("command", "")))]
     if tests:
-        return 1, [(tests[-1], 1)]
+        return 1, [(tests[-1], 1), (calls[finish]["message_id"], 1)]
     return 0, [(calls[finish]["message_id"], -1)]
 
 

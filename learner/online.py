@@ -28,12 +28,12 @@ every update "more of what happened") with one number, and the KL term to the se
 plays the role of KTO's reference. Each cycle starts a fresh AdamW from the serving version,
 and a trust region caps the whole update: if the weights moved by more than `max_update`
 (relative L2 norm), the change is scaled back to that size. The update is sparse: only the
-`max_changed` share of the weights whose change is largest against their own bf16 spacing
-(the changes most certain to survive rounding to the published dtype) move, the others keep
-their serving value exactly. A full AdamW step moves every weight a little and about 15 % of
-them cross a bf16 rounding boundary, which the lossless delta codec ships at ~15x smaller than
-the state; 2 % of the weights, at the default step, ship at ~40x (measured on the default
-model: bench/online.py).
+`max_changed` share of the weights move, those whose published (bf16-rounded) change does the
+most for the cycle's objective to first order (change x the gradient's running mean), the
+others keep their serving value exactly. A full AdamW step moves every weight a little and
+about 15 % of them cross a bf16 rounding boundary, which the lossless delta codec ships at
+~15x smaller than the state; 2 % of the weights, at the default step, ship at 72-79x (most
+kept changes are one bf16 spacing; measured on the default model: bench/online.py).
 
 The gate (`gate.py`) then compares candidate and serving version; accepted candidates become
 the next version of the version store, which connected runtimes receive as deltas.
@@ -106,8 +106,8 @@ class OnlineConfig:
                                     # configured one only for rows without; kl_coef: KL to serving
     steps: int = STEPS              # optimizer steps per cycle, each over all its samples
     max_update: float = MAX_UPDATE  # trust region: relative L2 norm of one cycle's change
-    max_changed: float = MAX_CHANGED  # share of the weights one cycle may change (largest
-                                    # changes against their bf16 spacing); 0 or 1: all
+    max_changed: float = MAX_CHANGED  # share of the weights one cycle may change (the
+                                    # published changes that do the most); 0 or 1: all
     backtrack: int = 1              # a candidate the gate rejects is halved (its change
                                     # from serving) and gated again, this many times at most
     max_staleness: int = 8          # samples more versions behind than this are dropped
@@ -188,7 +188,8 @@ class OnlineLearner:
         before = _token_logprobs(trainer, samples)
         for _ in range(self.config.steps):
             trainer.step(samples, extra_metrics={"cycle": cycle_id})
-        _sparsify_update(trainer.model, serving, self.config.max_changed)
+        _sparsify_update(trainer.model, serving, self.config.max_changed,
+                         lambda p: trainer.optimizer.state.get(p, {}).get("exp_avg"))
         moved = _cap_update(trainer.model, serving, self.config.max_update)
         candidate = trainer.published_state()
         _hold(self.dir, "training")
@@ -432,22 +433,32 @@ SAMPLE = 1 << 22    # scores the share's threshold is estimated from, for large 
 
 
 @torch.no_grad()
-def _sparsify_update(model: torch.nn.Module, serving: dict[str, torch.Tensor],
-                     share: float) -> float:
-    """Keep the change from `serving` only on the `share` of the weights where it is largest
-    in units of the serving weight's bf16 spacing; the others go back to their serving value
-    exactly. Returns the share of the weights whose change was kept."""
+def _sparsify_update(model: torch.nn.Module, serving: dict[str, torch.Tensor], share: float,
+                     direction: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> float:
+    """Keep the change from `serving` only on the `share` of the weights where it does the
+    most for the cycle's objective, to first order: -(published change) x `direction(p)`
+    (the gradient's running mean, Adam's first moment), where the published change is the
+    weight rounded to the serving dtype minus its serving value (a change that rounds away
+    scores 0, one that works against the objective scores nothing either). The others go back
+    to their serving value exactly. Returns the share of the weights whose change was kept.
+
+    Keeping the largest changes against their bf16 spacing instead (which picks small weights,
+    whatever they do) kept a tenth of a cycle's effect on 17 rated samples of the default
+    model (lr 2e-4, 4 steps; first token of liked messages +0.77 nats dense, +0.08 with 2 %
+    kept by spacing, +0.51 with 2 % kept by this score; disliked -2.25, -0.05, -0.67)."""
     if not 0 < share < 1:
         return 1.0
     params = dict(model.named_parameters())
 
-    def scores(name: str, p: torch.Tensor) -> torch.Tensor:
-        old = serving[name].to(p.dtype)
-        spacing = torch.ldexp(torch.ones_like(old), torch.frexp(old).exponent - 8)
-        return (p - old).abs() / spacing.clamp_min(torch.finfo(torch.bfloat16).tiny)
+    def score(name: str, p: torch.Tensor) -> torch.Tensor:
+        old = serving[name]
+        g = direction(p)
+        if g is None:
+            return torch.zeros_like(p)
+        return (-(p.to(old.dtype).to(p.dtype) - old.to(p.dtype)) * g).clamp_min(0)
 
-    score = {n: scores(n, p) for n, p in params.items()}
-    flat = torch.cat([s.flatten() for s in score.values()])
+    scores = {n: score(n, p) for n, p in params.items()}
+    flat = torch.cat([s.flatten() for s in scores.values()])
     if flat.numel() > SAMPLE:
         flat = flat[torch.randint(0, flat.numel(), (SAMPLE,),
                                   generator=torch.Generator().manual_seed(0))]
@@ -456,7 +467,7 @@ def _sparsify_update(model: torch.nn.Module, serving: dict[str, torch.Tensor],
     del flat
     kept = total = 0
     for name, p in params.items():
-        keep = score.pop(name) >= threshold
+        keep = scores.pop(name) >= threshold
         p.copy_(torch.where(keep, p, serving[name].to(p.dtype)))
         kept, total = kept + int(keep.sum()), total + p.numel()
     return kept / max(total, 1)

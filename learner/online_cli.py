@@ -53,8 +53,8 @@ def _tuning_options(fn):
                      help="Cap on one cycle's weight change, relative L2 norm (default 5e-3; "
                           "0 = no cap)."),
         click.option("--max-changed", type=click.FloatRange(0, 1), default=None,
-                     help="Share of the weights one cycle may change: the largest changes "
-                          "against their bf16 spacing (default 0.02; 1 = all). Smaller "
+                     help="Share of the weights one cycle may change: the changes that do "
+                          "the most for the update's objective (default 0.02; 1 = all). Smaller "
                           "deltas to ship to runtimes."),
         click.option("--gate-tasks", type=click.IntRange(0), default=None,
                      help="Held-out simulated tasks the gate runs (default 8; 0 = no gate)."),
