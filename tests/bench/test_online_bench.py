@@ -30,7 +30,8 @@ def c(message_id, name, **arguments):
 
 @pytest.mark.parametrize("calls,rating,messages", [
     ([c(1, "run_command", command="pytest"), c(2, "run_command", command="python -m pytest -q"),
-      c(3, "finish", summary="ok")], 1, [(2, 1)]),                       # the last test run
+      c(3, "finish", summary="ok")], 1, [(2, 1), (3, 1)]),               # the last test run
+                                                                          # and the finish
     ([c(1, "finish", summary="ok"), c(2, "run_command", command="pytest")], 0,
      [(1, -1)]),                                                          # tests after finish
     ([c(1, "write_file", path="calc.py", content="x"), c(2, "run_command", command="pytest"),
