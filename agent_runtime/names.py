@@ -41,8 +41,9 @@ RUN_CANCELLED = "run_cancelled"            # the user stopped the run mid-way
 PERMISSION_REJECTED = "permission_rejected"  # the user declined a tool call
 TESTS_GREEN = "tests_green"                # the session's own last test run passed
 RAN_OUT = "ran_out"                        # the agent used every model call, never finished
+REPEATED_CALL = "repeated_call"            # a model call repeated an earlier one, same result
 IMPLICIT_SOURCES = (EDIT_KEPT, EDIT_REVERTED, FOLLOWUP_DISSATISFIED, RUN_CANCELLED,
-                    PERMISSION_REJECTED, TESTS_GREEN, RAN_OUT)
+                    PERMISSION_REJECTED, TESTS_GREEN, RAN_OUT, REPEATED_CALL)
 FEEDBACK_SOURCES = (EXPLICIT, *IMPLICIT_SOURCES)   # plugins may declare more (hooks.py)
 SOURCE_DESCRIPTIONS = {
     EXPLICIT: "a rating the user gave (command line, TUI, editor)",
@@ -53,6 +54,7 @@ SOURCE_DESCRIPTIONS = {
     PERMISSION_REJECTED: "the user declined a tool call the agent proposed",
     TESTS_GREEN: "the session's last test command passed",
     RAN_OUT: "the agent used its whole step budget without finishing",
+    REPEATED_CALL: "the agent repeated a tool call it had made, and got the same result",
 }
 
 # -- session origins: who made the session -----------------------------------------------------

@@ -21,7 +21,8 @@ liked rate by +0.0 points). Then one learning
 cycle runs exactly as the daemon runs it (`learner.online.OnlineLearner.run_cycle`: rewards,
 the update on the recorded samples, the gate, publishing). Before the first and after the
 last round, the same fixed sessions measure: the rate of the liked and of the disliked
-behaviour, held-out pass@1 and the invalid-tool-call rate (`learner.gate`); and each
+behaviour, held-out pass@1, the invalid-tool-call rate and the rate of repeated calls (the
+same call, the same result: `learner.gate`); and each
 published update's size ratio (full bf16 state / delta) is printed. Goal (issue 13): liked
 +20 points, pass@1 not lower by more than 2 points, invalid calls not higher, deltas >= 40x
 smaller than the state.
@@ -107,14 +108,15 @@ def load(args, state=None, version: int = 0):
 
 
 def measure(args, state, version, store, gate) -> dict:
-    """The fixed measurement: behaviour on `--probe` train tasks, held-out pass@1 and
-    invalid calls on `--eval-n` held-out tasks (greedy)."""
+    """The fixed measurement: behaviour on `--probe` train tasks, held-out pass@1, invalid
+    and repeated calls on `--eval-n` held-out tasks (greedy)."""
     from agent_runtime.names import ORIGIN_EVAL
     from learner.tasks import generate
     probe = generate("train", args.probe, seed=10_000)
     rated = sessions(load(args, state, version), probe, store, args, ORIGIN_EVAL)
     held = gate.measure(state)
-    return {**behaviour(rated), "pass_at_1": held.pass_at_1, "invalid_rate": held.invalid_rate}
+    return {**behaviour(rated), "pass_at_1": held.pass_at_1, "invalid_rate": held.invalid_rate,
+            "repeat_rate": held.repeat_rate}
 
 
 def main(argv=None) -> None:
@@ -199,7 +201,8 @@ def main(argv=None) -> None:
           f"(standard error {100 * se:.1f}), disliked "
           f"{100 * (after['disliked_rate'] - before['disliked_rate']):+.1f} points, pass@1 "
           f"{100 * (after['pass_at_1'] - before['pass_at_1']):+.1f} points, invalid calls "
-          f"{100 * (after['invalid_rate'] - before['invalid_rate']):+.1f} points; delta ratios "
+          f"{100 * (after['invalid_rate'] - before['invalid_rate']):+.1f} points, repeated calls "
+          f"{100 * (after['repeat_rate'] - before['repeat_rate']):+.1f} points; delta ratios "
           f"{', '.join(f'{x:.1f}x' for x in ratios) or '-'}; {time.monotonic() - t0:.0f}s")
     if args.json:
         print(json.dumps({"before": before, "after": after, "cycles": cycles}))
@@ -213,7 +216,7 @@ def _se(rate: float, n: int) -> float:
 def _row(m: dict) -> str:
     return (f"liked {100 * m['liked_rate']:.1f}%  disliked {100 * m['disliked_rate']:.1f}%  "
             f"held-out pass@1 {100 * m['pass_at_1']:.1f}%  invalid calls "
-            f"{100 * m['invalid_rate']:.1f}%")
+            f"{100 * m['invalid_rate']:.1f}%  repeated calls {100 * m['repeat_rate']:.1f}%")
 
 
 if __name__ == "__main__":

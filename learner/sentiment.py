@@ -20,6 +20,9 @@ it with an explicit rating. The reward table (rating x weight):
                                                                      command exited 0
     ran_out                 -1      0.25    session                  the agent used its step
                                                                      budget, never finished
+    repeated_call           -1      1.0     the message repeating    its tool calls and their
+                                            it                       results are those of an
+                                                                     earlier model call
 
 Edits are judged when a later session starts in the same workspace, or `edit_delay_s` after
 the session ended (the files compared with `edits.json`, which the agent loop writes);
@@ -50,6 +53,18 @@ sessions that end in `finish` from 37 of 48 to 14 of 48 in eight cycles, the res
 of steps, unrated. A session that runs out is a run the user has to take over, as a cancelled
 one is: the same small weight.
 
+`repeated_call` closes the next one. A user who likes test runs (`tests_green`, a thumbs up
+on running the tests) rewards every model call of such a session, the ones that ran the
+same passing tests again and again included: the twelfth run of bench/online.py ended with
+a model that ran `python -m pytest -q` until its step budget was spent, on held-out tasks it
+had solved before (calls repeating an earlier call of their session with the same result:
+16.5 % -> 23.1 % of its greedy calls; held-out pass@1 22.5 % -> 10.0 %). A call that repeats
+one the agent already made, and gets the same result, learns nothing and spends a step: it
+is rated -1 with the weight of an explicit rating, on that message only, so that it
+outweighs what covers the whole session. "The same result" ignores durations (`in 0.02s`);
+a test run after an edit has a different result, or the same one for a reason, and is not a
+repeat of the run before the edit unless its output is identical too.
+
 Not here: the update (`online.py`), the store's schema (`agent_runtime.store.migrations`).
 """
 
@@ -76,6 +91,7 @@ REWARD_WEIGHTS = {
     names.PERMISSION_REJECTED: 0.5,
     names.TESTS_GREEN: 0.5,
     names.RAN_OUT: 0.25,
+    names.REPEATED_CALL: 1.0,
 }
 INVALID_CALL_REWARD = -0.5          # at most this for a model call whose tool call did not parse
 
@@ -85,6 +101,7 @@ DISSATISFIED = re.compile(
     r"undo|revert|roll ?back|put it back|not what i (asked|wanted|meant)|"
     r"(did ?n'?t|did not) ask|(does ?n'?t|does not|did ?n'?t|did not) work|you broke|"
     r"broke (it|the)|stop doing|wrong (file|change|fix))\b", re.IGNORECASE)
+DURATION = re.compile(r"\b\d+(\.\d+)?\s?(s|ms|sec|seconds)\b")   # `8 passed in 0.02s`
 TEST_COMMAND = re.compile(
     r"(^|[\s/;&|])(pytest|py\.test|unittest|tox|nox|test_\w+\.py|\w+_test\.py|"
     r"npm (run )?test|yarn test|cargo test|go test|make (test|check)|ctest)\b")
@@ -133,8 +150,8 @@ def derive_signals(store: Any, config: SignalConfig | None = None) -> int:
 
 
 def _turn_signals(store: Any, session: dict) -> list[dict]:
-    """Cancelled or ran-out run, declined calls, dissatisfied follow-ups, a green last test
-    run."""
+    """Cancelled or ran-out run, declined calls, dissatisfied follow-ups, repeated calls, a
+    green last test run."""
     out: list[dict] = []
     known = {(f["message_id"], f["source"]) for f in store.feedback(session["id"])}
     if session["status"] == names.CANCELLED:
@@ -152,12 +169,34 @@ def _turn_signals(store: Any, session: dict) -> list[dict]:
                 and DISSATISFIED.search(m["content"] or ""):
             out.append({"rating": -1, "source": names.FOLLOWUP_DISSATISFIED, "message": m["id"],
                         "comment": (m["content"] or "")[:200]})
+    out += [{"rating": -1, "source": names.REPEATED_CALL, "message": m, "comment": what}
+            for m, what in repeated_calls(calls).items()]
     tests = [c for c in calls if c["name"] == "run_command" and c["ok"]
              and TEST_COMMAND.search(str((c["arguments"] or {}).get("command", "")))]
     if tests and (tests[-1]["data"] or {}).get("exit_code") == 0:
         out.append({"rating": 1, "source": names.TESTS_GREEN,
                     "comment": str(tests[-1]["arguments"].get("command"))[:200]})
     return out
+
+
+def repeated_calls(calls: list[dict]) -> dict[int, str]:
+    """{assistant message id: its first call's tool name} for the model calls all of whose
+    tool calls repeat an earlier call of the same session: the same tool, the same
+    arguments, the same result (durations aside). `calls` are the session's tool calls in
+    order (`SessionStore.tool_calls`); a call that did not parse is penalized as such and
+    not counted here."""
+    seen: set[str] = set()
+    by_message: dict[int, list[bool]] = {}
+    names_of: dict[int, str] = {}
+    for c in calls:
+        if c["name"] == INVALID_CALL or c["message_id"] is None:
+            continue
+        key = json.dumps([c["name"], c["arguments"], DURATION.sub("", c["result"] or "")],
+                         sort_keys=True)
+        by_message.setdefault(c["message_id"], []).append(key in seen)
+        names_of.setdefault(c["message_id"], c["name"])
+        seen.add(key)
+    return {m: names_of[m] for m, repeats in by_message.items() if all(repeats)}
 
 
 def _edit_signal(store: Any, session: dict, config: SignalConfig) -> list[dict] | str | None:

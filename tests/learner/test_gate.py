@@ -69,6 +69,11 @@ def test_few_calls_never_excuse_a_rise_beyond_the_cap():
     assert not result.passed and "margin 0.100" in result.reason
 
 
+def test_more_repeated_calls_are_rejected():
+    result = compare(SERVING, with_(repeat_rate=0.4), GateConfig())
+    assert not result.passed and "repeated calls 0.000 -> 0.400" in result.reason
+
+
 def test_asking_instead_of_acting_is_rejected():
     result = compare(SERVING, with_(no_call_rate=0.5), GateConfig())
     assert not result.passed and "without a tool call" in result.reason

@@ -149,6 +149,31 @@ def test_a_run_that_uses_its_step_budget_without_finishing_is_a_negative_signal(
     assert sample_rewards(store, [sample]) == {sample: -0.25}
 
 
+def test_a_call_repeating_an_earlier_one_with_the_same_result_is_a_negative_signal(
+        store, workspace):
+    """The twelfth online bench run's hack: the same passing test run again and again. The
+    first test run after the edit is new (its result differs from the run before it), the
+    second is a repeat (durations aside), and its -1 x 1.0 outweighs the session's green
+    tests (+0.5): the repeat's reward is -0.5, the first run's +0.5."""
+    result = run(store, workspace, [TEST, EDIT, TEST, TEST, FINISH])
+    derive_signals(store)
+    rows = [f for f in store.feedback() if f["source"] == names.REPEATED_CALL]
+    assert len(rows) == 1 and rows[0]["rating"] == -1 and rows[0]["comment"] == "run_command"
+    samples = {s["message_id"]: s["id"] for s in store.samples(result.session_id)}
+    messages = [m["id"] for m in store.messages(result.session_id) if m["role"] == "assistant"]
+    assert rows[0]["message_id"] == messages[3]
+    rewards = sample_rewards(store, [samples[m] for m in messages])
+    assert rewards[samples[messages[3]]] == -0.5
+    assert rewards[samples[messages[2]]] == rewards[samples[messages[0]]] == 0.5
+
+
+def test_the_same_call_with_a_new_result_is_not_a_repeat(store, workspace):
+    read = call("read_file", path="calc.py")
+    run(store, workspace, [read, EDIT, read, FINISH])
+    derive_signals(store)
+    assert names.REPEATED_CALL not in sources(store)
+
+
 def test_a_dissatisfied_follow_up_rates_the_turn_before_it(store, workspace):
     result = run(store, workspace, [EDIT, FINISH])
     agent = Agent(ReplayPolicy([FINISH]), store=store, workspace=workspace)
