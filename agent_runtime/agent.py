@@ -31,7 +31,7 @@ from agent_runtime.context import (DEFAULT_SUMMARY_INSTRUCTION, SUMMARY_REQUEST,
 from agent_runtime import names
 from agent_runtime.names import ORIGIN_USER
 from agent_runtime.callgrammar import CallGrammar, WorkspaceView
-from agent_runtime.policies.base import Completion, Policy, constrains, retries
+from agent_runtime.policies.base import Completion, Policy, constrains
 from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, tool_schema
 
@@ -68,11 +68,6 @@ class AgentConfig:
                                                # calls that can run: valid JSON, known tools
                                                # and arguments, existing paths, `old` text
                                                # from the file (agent_runtime.callgrammar)
-    retry_repeats: bool = True                 # policies that can (the engine) sample again,
-                                               # hotter, a turn whose every tool call was made
-                                               # already with nothing changed since (no edit, no
-                                               # other command): a greedy small model repeats
-                                               # itself until its step budget is spent
 
     def context_config(self) -> ContextConfig:
         return ContextConfig(summarize_at=self.summarize_at,
@@ -163,7 +158,6 @@ class Agent:
         self.steps = 0
         self._pool: ThreadPoolExecutor | None = None
         self._edits: dict[str, str | None] = {}   # path -> sha256 before the first change
-        self._unchanged: set[str] = set()         # calls made since the workspace last changed
 
     def cancel(self) -> None:
         """Stop at the next check: between steps, between tool calls, or inside generation."""
@@ -191,7 +185,6 @@ class Agent:
         self.session_id = self.store.get_session(session_id)["id"]
         self.context = self._rebuild()
         self._close_interrupted_turn()
-        self._unchanged.clear()                  # the user may have changed anything since
         if message:
             self._append({"role": "user", "content": message, "kind": names.KIND_USER})
         return self._loop()
@@ -240,8 +233,6 @@ class Agent:
         held = {}
         if self.grammar is not None:          # the workspace as it is now
             held = {"grammar": self.grammar.at(WorkspaceView(self.workspace))}
-        if self.config.retry_repeats and retries(self.policy) and self._unchanged:
-            held["retry_if"] = self._repeats
         completion = self.policy.complete(
             self.context.messages, self.schemas, max_new_tokens=self.config.max_new_tokens,
             on_text=self.callbacks.on_text, should_stop=self.cancel_event.is_set, **held)
@@ -308,7 +299,6 @@ class Agent:
             outcomes = self._execute(group)
             for call, row, outcome in zip(group, rows, outcomes):
                 self._finish_call(call, row, outcome)
-                self._note_unchanged(call, outcome)
                 if call.name == "finish" and outcome.ok:
                     finish_summary = str((call.arguments or {}).get("summary") or outcome.text)
         return finish_summary
@@ -350,28 +340,6 @@ class Agent:
                 False, {"traceback": traceback.format_exc()})
         outcome.duration_s = time.perf_counter() - start
         return outcome
-
-    def _repeats(self, text: str) -> bool:
-        """Whether every tool call of a proposed turn was made already, with nothing changed
-        since (`AgentConfig.retry_repeats`); a turn without calls or with a `finish` is not."""
-        calls = check_calls(parse_tool_calls(text).calls, self.tools)
-        return bool(calls) and all(c.error is None and c.name != "finish"
-                                   and _call_key(c) in self._unchanged for c in calls)
-
-    def _note_unchanged(self, call: ToolCall, outcome: ToolOutcome) -> None:
-        """Keep `_unchanged` up to date after a call ran: an edit (any mutating tool but a
-        command) that worked changes the workspace, and so may a command not run since the
-        last change; reads and repeated commands change nothing."""
-        if call.error is not None:
-            return
-        key, tool = _call_key(call), self.tools[call.name]
-        if call.name == "run_command" and key not in self._unchanged:
-            self._unchanged.clear()
-        elif tool.mutates and call.name != "run_command":
-            if outcome.ok:
-                self._unchanged.clear()
-            return
-        self._unchanged.add(key)
 
     def _finish_call(self, call: ToolCall, row: int, outcome: ToolOutcome) -> None:
         message = {"role": "tool", "content": outcome.text,
@@ -505,10 +473,6 @@ class Agent:
                 self._finish_call(call, row_id, ToolOutcome(text, False))
         if not turns[last].get("tool_calls") and last == len(turns) - 1:
             self._append({"role": "user", "kind": names.KIND_NUDGE, "content": self.config.nudge})
-
-
-def _call_key(call: ToolCall) -> str:
-    return json.dumps([call.name, call.arguments], sort_keys=True, default=str)
 
 
 def _mutating(group: list[ToolCall], tools: dict[str, Tool]) -> bool:

@@ -125,9 +125,6 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
               help="Let the model write tool calls that cannot run (malformed JSON, missing "
                    "files, `old` text not in the file); by default the engine holds its calls "
                    "to what can run.")
-@click.option("--no-retry", "no_retry", is_flag=True,
-              help="Keep a turn whose tool calls were all made already with nothing changed "
-                   "since; by default the engine samples it again, hotter.")
 @click.option("-v", "--verbose", is_flag=True, help="One line per task before the summary.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the numbers and per-task results as JSON instead.")
@@ -135,7 +132,7 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                  policy_spec: str | None, compare: str | None, recipe_dir: Path | None,
                  processes: int | None, max_steps: int, max_new_tokens: int,
                  context_window: int | None, concurrency: int | None, sandbox: str | None,
-                 free_calls: bool, no_retry: bool, verbose: bool, as_json: bool) -> None:
+                 free_calls: bool, verbose: bool, as_json: bool) -> None:
     """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task; or several
     side by side (--compare sft,default)."""
     import json
@@ -156,7 +153,7 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                             families=_families(families), max_steps=max_steps,
                             max_new_tokens=max_new_tokens, processes=processes or 0,
                             sandbox=sandbox, context_window=context_window or 0,
-                            constrain_calls=not free_calls, retry_repeats=not no_retry)
+                            constrain_calls=not free_calls)
         _compare(compare, recipe_dir, config, verbose, as_json)
         return
     spec = policy_spec or model
@@ -169,7 +166,7 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                                  "exported with --with-solution)")
     with SessionStore() as store:
         report = evaluate(task_list, factory, store, max_steps=max_steps, sandbox=sandbox,
-                          constrain_calls=not free_calls, retry_repeats=not no_retry,
+                          constrain_calls=not free_calls,
                           concurrency=concurrency or (4 if spec == "oracle" else
                                                      1 if spec.startswith("replay:") else 8))
     click.echo(json.dumps(report.to_dict(), indent=1) if as_json

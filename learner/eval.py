@@ -108,15 +108,13 @@ def policy_factory(spec: str, max_new_tokens: int = 512,
 
 def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], store, *,
              concurrency: int = 1, max_steps: int = 20, sandbox=None,
-             constrain_calls: bool = True, retry_repeats: bool = True) -> EvalReport:
+             constrain_calls: bool = True) -> EvalReport:
     """Run one episode per task and collect the report. `constrain_calls=False` lets the
-    model write tool calls that cannot run (`AgentConfig.constrain_calls`);
-    `retry_repeats=False` keeps the turns that repeat a call (`AgentConfig.retry_repeats`)."""
+    model write tool calls that cannot run (`AgentConfig.constrain_calls`)."""
     from agent_runtime.agent import AgentConfig
     episodes = run_episodes(factory, tasks, store, concurrency=concurrency, sandbox=sandbox,
                             agent_config=AgentConfig(max_steps=max_steps,
-                                                     constrain_calls=constrain_calls,
-                                                     retry_repeats=retry_repeats),
+                                                     constrain_calls=constrain_calls),
                             origin=ORIGIN_EVAL)
     return EvalReport(episodes)
 

@@ -73,9 +73,7 @@ class GateConfig:
     free_calls: bool = True         # run the episodes without the call grammar
                                     # (AgentConfig.constrain_calls), so that the invalid rate
                                     # is the model's own: serving holds calls to what can run
-                                    # and would hide a candidate that learned to break them;
-                                    # likewise without sampling repeated calls again
-                                    # (AgentConfig.retry_repeats), for the repeat rate
+                                    # and would hide a candidate that learned to break them
 
 
 @dataclass
@@ -162,8 +160,7 @@ class Gate:
             episodes = run_episodes(lambda _t: policy, tasks, store, concurrency=c.concurrency,
                                     sandbox=c.sandbox, origin=ORIGIN_EVAL,
                                     agent_config=AgentConfig(max_steps=c.max_steps,
-                                                             constrain_calls=not c.free_calls,
-                                                             retry_repeats=not c.free_calls))
+                                                             constrain_calls=not c.free_calls))
             calls = invalid = no_call = repeats = 0
             for e in episodes:
                 kinds = call_kinds(store, e.session_id)

@@ -85,14 +85,6 @@ def constrains(policy: Any) -> bool:
     return bool(getattr(policy, "accepts_grammar", False))
 
 
-def retries(policy: Any) -> bool:
-    """Whether `policy` can sample a call again when its caller rejects it, the fourth
-    optional capability (the engine has it): `complete(..., retry_if=pred)` (and
-    `complete_many(..., retry_if=[...])`) sample a completion whose text `pred` rejects again,
-    hotter (the engine's loop fallback temperatures), and return the last attempt."""
-    return bool(getattr(policy, "accepts_retry", False))
-
-
 def has_weights(policy: Any) -> bool:
     """Whether `policy` has weights a newer version can replace in place, the other optional
     capability of the `Policy` protocol (the engine has it; a replay script does not): a

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from agent_runtime.policies.base import Completion, batches, constrains, retries
+from agent_runtime.policies.base import Completion, batches, constrains
 
 
 @dataclass(eq=False)
@@ -34,7 +34,6 @@ class _Call:
     on_text: Callable[[str], None] | None
     should_stop: Callable[[], bool] | None
     grammar: Any = None                        # a CallGrammar, where the policy takes one
-    retry_if: Callable[[str], bool] | None = None  # where the policy takes one (base.retries)
     done: bool = False
     result: Completion | None = None
     error: BaseException | None = None
@@ -70,9 +69,8 @@ class BatchingPolicy:
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
                  max_new_tokens: int | None = None, on_text: Callable[[str], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, grammar: Any = None,
-                 retry_if: Callable[[str], bool] | None = None) -> Completion:
-        call = _Call(messages, tools, max_new_tokens, on_text, should_stop, grammar, retry_if)
+                 should_stop: Callable[[], bool] | None = None, grammar: Any = None) -> Completion:
+        call = _Call(messages, tools, max_new_tokens, on_text, should_stop, grammar)
         with self._cond:
             self._queue.append(call)
             self._cond.notify_all()
@@ -118,15 +116,14 @@ class BatchingPolicy:
 
     def _decode(self, batch: list[_Call]) -> None:
         try:
-            held, retry = constrains(self.policy), retries(self.policy)
+            held = constrains(self.policy)
             if not batches(self.policy) or len(batch) == 1:
                 for c in batch:
                     try:
                         c.result = self.policy.complete(
                             c.messages, c.tools, max_new_tokens=c.max_new_tokens,
                             on_text=c.on_text, should_stop=c.should_stop,
-                            **({"grammar": c.grammar} if held and c.grammar is not None else {}),
-                            **({"retry_if": c.retry_if} if retry and c.retry_if else {}))
+                            **({"grammar": c.grammar} if held and c.grammar is not None else {}))
                     except Exception as exc:       # noqa: BLE001 - handed to its caller
                         c.error = exc
                 return
@@ -134,8 +131,7 @@ class BatchingPolicy:
                            max_new_tokens=batch[0].max_new_tokens,
                            on_text=[c.on_text for c in batch],
                            should_stop=[c.should_stop for c in batch],
-                           **({"grammar": [c.grammar for c in batch]} if held else {}),
-                           **({"retry_if": [c.retry_if for c in batch]} if retry else {}))
+                           **({"grammar": [c.grammar for c in batch]} if held else {}))
             for c, r in zip(batch, results):
                 c.result = r
         except BaseException as exc:               # every caller in the batch sees it

@@ -39,10 +39,9 @@ class EngineConfig:
     prefix_cache_mb: int = 256              # keys/values of earlier calls reused (0 = off)
     loop_span: int = 48                     # end a call that repeats itself this many tokens
                                             # (`SamplingParams.loop_span`; 0 = off)
-    loop_fallback: tuple[float, ...] = (0.7, 1.0)   # a call that ended in a loop, or that
-                                            # the caller rejects (`retry_if`), is sampled again
-                                            # at each of these temperatures (above the
-                                            # configured one) until one passes
+    loop_fallback: tuple[float, ...] = (0.7, 1.0)   # a call that ended in a loop is sampled
+                                            # again at each of these temperatures (above the
+                                            # configured one) until one does not loop
 
 
 class TokenBytes:
@@ -65,7 +64,6 @@ class EnginePolicy:
     """A checkpoint + tokenizer + chat template, usable by the agent loop and directly."""
 
     accepts_grammar = True                  # complete(..., grammar=CallGrammar) (base.constrains)
-    accepts_retry = True                    # complete(..., retry_if=pred) (base.retries)
 
     def __init__(self, model: MoEModel, tokenizer: Any, template: Any, name: str,
                  config: EngineConfig | None = None, version: int = 0):
@@ -152,25 +150,21 @@ class EnginePolicy:
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
                  max_new_tokens: int | None = None, on_text: Callable[[str], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None, grammar: Any = None,
-                 retry_if: Callable[[str], bool] | None = None) -> Completion:
+                 should_stop: Callable[[], bool] | None = None, grammar: Any = None) -> Completion:
         return self.complete_many([messages], [tools], max_new_tokens=max_new_tokens,
                                   on_text=[on_text], should_stop=[should_stop],
-                                  grammar=[grammar], retry_if=[retry_if])[0]
+                                  grammar=[grammar])[0]
 
     def complete_many(self, conversations: Sequence[list[dict]],
                       tools: Sequence[list[dict] | None] | None = None, *,
                       max_new_tokens: int | None = None,
                       on_text: Sequence[Callable[[str], None] | None] | None = None,
                       should_stop: Sequence[Callable[[], bool] | None] | None = None,
-                      grammar: Sequence[Any] | None = None,
-                      retry_if: Sequence[Callable[[str], bool] | None] | None = None
-                      ) -> list[Completion]:
+                      grammar: Sequence[Any] | None = None) -> list[Completion]:
         """`complete` for several conversations in one batched generation (how a group of
         rollouts, or several agents sharing this policy, decode together). `tools`, `on_text`,
-        `should_stop`, `grammar` and `retry_if` are given per conversation; a row whose
-        `should_stop()` turns true ends "cancelled" and the others go on; a row whose
-        completion text `retry_if` rejects is sampled again as a looping one is."""
+        `should_stop` and `grammar` are given per conversation; a row whose `should_stop()`
+        turns true ends "cancelled" and the others go on."""
         n = len(conversations)
         if n == 0:
             return []
@@ -178,9 +172,7 @@ class EnginePolicy:
         on_text = list(on_text) if on_text is not None else [None] * n
         should_stop = list(should_stop) if should_stop is not None else [None] * n
         grammar = list(grammar) if grammar is not None else [None] * n
-        retry_if = list(retry_if) if retry_if is not None else [None] * n
-        if not len(tools) == len(on_text) == len(should_stop) == len(grammar) == len(retry_if) \
-                == n:
+        if not len(tools) == len(on_text) == len(should_stop) == len(grammar) == n:
             raise ValueError(f"complete_many: {n} conversations but {len(tools)} tools, "
                              f"{len(on_text)} on_text, {len(should_stop)} should_stop and "
                              f"{len(grammar)} grammar entries")
@@ -193,33 +185,17 @@ class EnginePolicy:
                                        on_token=lambda row, tok, lp: streams[row].push(tok),
                                        row_should_stop=cancel, grammar=grammar)
         versions, temps = [version] * n, [self.config.temperature] * n
-        why: list[str | None] = [None] * n
-
-        def text_of(gen: Generation) -> str:
-            return self.tokenizer.decode([t for t in gen.tokens if t not in skip])
-
-        def again_because(i: int, gen: Generation) -> str | None:
-            if gen.finish_reason == names.FINISH_LOOP:
-                return "repeating itself"
-            if retry_if[i] is not None and gen.finish_reason != names.FINISH_CANCELLED \
-                    and retry_if[i](text_of(gen)):
-                return "rejected by the caller"
-            return None
-
         # Temperature fallback (as Whisper's decoder does): greedy decoding of a small model
         # falls into loops it would fall into again from the same prompt, so a call the loop
-        # guard ended, or one the caller rejects (the agent: a tool call it already made with
-        # nothing changed since), is sampled again, hotter. Only the last attempt is returned
-        # (and recorded), with the temperature its logprobs are of.
+        # guard ended is sampled again, hotter. Only the last attempt is returned (and
+        # recorded), with the temperature its logprobs are of.
         for t in self.config.loop_fallback:
-            reasons = {i: r for i, g in enumerate(gens) if t > temps[i]
-                       and (r := again_because(i, g)) is not None}
-            redo = sorted(reasons)
+            redo = [i for i, g in enumerate(gens)
+                    if g.finish_reason == names.FINISH_LOOP and t > temps[i]]
             if not redo:
                 continue
             for i in redo:
-                why[i] = reasons[i]
-                streams[i].restart(f"\n[{reasons[i]}: sampling again at temperature {t}]\n")
+                streams[i].restart(f"\n[repeating itself: sampling again at temperature {t}]\n")
             again, v = self._generate([prompts[i] for i in redo], n_new, temperature=t,
                                       on_token=lambda row, tok, lp: streams[redo[row]].push(tok),
                                       row_should_stop=[cancel[i] for i in redo] if cancel else None,
@@ -227,15 +203,14 @@ class EnginePolicy:
             for i, gen in zip(redo, again):
                 gens[i], versions[i], temps[i] = gen, v, t
         out = []
-        for prompt, gen, version, temperature, reason in zip(prompts, gens, versions, temps, why):
+        for prompt, gen, version, temperature in zip(prompts, gens, versions, temps):
+            text = self.tokenizer.decode([t for t in gen.tokens if t not in skip])
             routes = gen.routes.numpy() if gen.routes is not None else None
-            meta = {"forced": gen.forced} if gen.forced else {}
-            if reason is not None:
-                meta["resampled"] = reason
-            out.append(Completion(text=text_of(gen), prompt_ids=prompt, completion_ids=gen.tokens,
+            out.append(Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
                                   logprobs=gen.logprobs, routes=routes,
                                   finish_reason=gen.finish_reason, version=version,
-                                  temperature=temperature, meta=meta))
+                                  temperature=temperature,
+                                  meta={"forced": gen.forced} if gen.forced else {}))
         return out
 
     # -- weight updates ------------------------------------------------------------------

@@ -43,7 +43,6 @@ class EvalConfig:
     summary_window: int = 0         # the recipe's eval stage also evaluates its last model with
                                     # this window (self-summarization check; 0: skip)
     constrain_calls: bool = True    # hold tool calls to what can run (AgentConfig.constrain_calls)
-    retry_repeats: bool = True      # sample a repeated call again (AgentConfig.retry_repeats)
 
 
 def eval_tasks(config: EvalConfig) -> list:
@@ -82,8 +81,7 @@ def _shard(args: tuple) -> list[dict]:
         try:
             ep = run_episode(policy, task, store, sandbox=config.sandbox, origin=ORIGIN_EVAL,
                              agent_config=AgentConfig(max_steps=config.max_steps,
-                                                      constrain_calls=config.constrain_calls,
-                                                      retry_repeats=config.retry_repeats))
+                                                      constrain_calls=config.constrain_calls))
             return {"task": task.id, "family": task.family, "passed": ep.reward > 0,
                     "cheated": ep.cheated, "steps": ep.steps, "tokens": ep.tokens,
                     "status": ep.status}

@@ -88,18 +88,3 @@ def test_a_call_that_loops_is_sampled_again_hotter(tmp_path):
     plain.stop_token_ids = []
     c = plain.complete(MESSAGES)
     assert c.finish_reason == "loop" and c.temperature == 0.0 and len(c.completion_ids) == 16
-
-
-def test_a_completion_the_caller_rejects_is_sampled_again_hotter(tmp_path):
-    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
-    greedy = load_policy(str(path), max_new_tokens=12, seed=0)
-    first = greedy.complete(MESSAGES)
-    seen, chunks = [], []
-    c = greedy.complete(MESSAGES, on_text=chunks.append,
-                        retry_if=lambda text: seen.append(text) or True)
-    assert seen[0] == first.text                   # the greedy attempt, then the 0.7 one
-    assert len(seen) == 2 and c.temperature == 1.0 and c.meta["resampled"] == \
-        "rejected by the caller"
-    assert "[rejected by the caller: sampling again at temperature 0.7]" in "".join(chunks)
-    kept = greedy.complete(MESSAGES, retry_if=lambda text: False)
-    assert kept.temperature == 0.0 and kept.text == first.text and "resampled" not in kept.meta
