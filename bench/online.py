@@ -9,7 +9,8 @@ The simulated user rates each one through the store, as `apprentice feedback` do
                `edit_file` would do)
 
 (a session showing both is disliked). It rates the message it means (`--rate messages`, the
-default): thumbs up on the test run before `finish` and on that `finish`, thumbs down on
+default): thumbs up on the test run that checked the final change (the first after the last
+edit; runs repeating it checked nothing new) and on the `finish` after it, thumbs down on
 each `write_file` that rewrote a file, and thumbs down on a `finish` that came without a test
 run; a session that never finished gets no rating. (Without the thumbs up on a `finish` that
 came after the tests, the only rating a `finish` could get was a thumbs down, and an update
@@ -64,10 +65,16 @@ def taste(task, calls: list[dict]) -> tuple[int, list[tuple[int, int]]]:
     if "finish" not in names:
         return 0, []
     finish = names.index("finish")
-    tests = [c["message_id"] for c in calls[:finish] if c["name"] == "run_command"
+    tests = [i for i, c in enumerate(calls[:finish]) if c["name"] == "run_command"
              and TEST_RE.search(str((c["arguments"] or {}).get("command", "")))]
     if tests:
-        return 1, [(tests[-1], 1), (calls[finish]["message_id"], 1)]
+        # the run that checked the final change: the first after the last edit (the runs
+        # repeating it checked nothing new), else the last one
+        edits = [i for i, c in enumerate(calls[:finish]) if c["name"] in ("edit_file",
+                                                                          "write_file")]
+        after = [i for i in tests if not edits or i > edits[-1]]
+        checked = after[0] if after else tests[-1]
+        return 1, [(calls[checked]["message_id"], 1), (calls[finish]["message_id"], 1)]
     return 0, [(calls[finish]["message_id"], -1)]
 
 

@@ -30,8 +30,14 @@ def c(message_id, name, **arguments):
 
 @pytest.mark.parametrize("calls,rating,messages", [
     ([c(1, "run_command", command="pytest"), c(2, "run_command", command="python -m pytest -q"),
-      c(3, "finish", summary="ok")], 1, [(2, 1), (3, 1)]),               # the last test run
+      c(3, "finish", summary="ok")], 1, [(1, 1), (3, 1)]),               # the first test run
                                                                           # and the finish
+    ([c(1, "run_command", command="pytest"), c(2, "edit_file", path="calc.py", old="-", new="+"),
+      c(3, "run_command", command="pytest"), c(4, "run_command", command="pytest"),
+      c(5, "finish", summary="ok")], 1, [(3, 1), (5, 1)]),               # the run after the
+                                                                          # edit, not its repeat
+    ([c(1, "run_command", command="pytest"), c(2, "edit_file", path="calc.py", old="-", new="+"),
+      c(3, "finish", summary="ok")], 1, [(1, 1), (3, 1)]),               # none after the edit
     ([c(1, "finish", summary="ok"), c(2, "run_command", command="pytest")], 0,
      [(1, -1)]),                                                          # tests after finish
     ([c(1, "write_file", path="calc.py", content="x"), c(2, "run_command", command="pytest"),
