@@ -10,7 +10,9 @@ The simulated user rates each one through the store, as `apprentice feedback` do
 
 (a session showing both is disliked). It rates the message it means (`--rate messages`, the
 default): thumbs up on the test run that checked the final change (the first after the last
-edit; runs repeating it checked nothing new) and on the `finish` after it, thumbs down on
+edit; runs repeating it checked nothing new) and on the `finish` after it unless a check it
+ran was still failing (`learner.sentiment.finished_failing`: nobody praises "done" over a
+red run, and that `finish` carries the implicit -1 instead), thumbs down on
 each `write_file` that rewrote a file, and thumbs down on a `finish` that came without a test
 run; a session that never finished gets no rating. (Without the thumbs up on a `finish` that
 came after the tests, the only rating a `finish` could get was a thumbs down, and an update
@@ -57,6 +59,7 @@ TEST_RE = re.compile(r"(pytest|unittest|test_\w+\.py|\w+_test\.py|make test|npm 
 def taste(task, calls: list[dict]) -> tuple[int, list[tuple[int, int]]]:
     """The simulated user's fixed rules: (+1 liked / -1 disliked / 0 neither, [(assistant
     message id, +1/-1)] the messages that decided it)."""
+    from learner.sentiment import finished_failing
     rewrites = [c["message_id"] for c in calls if c["name"] == "write_file"
                 and (c["arguments"] or {}).get("path") in task.files]
     if rewrites:
@@ -74,7 +77,10 @@ def taste(task, calls: list[dict]) -> tuple[int, list[tuple[int, int]]]:
                                                                           "write_file")]
         after = [i for i in tests if not edits or i > edits[-1]]
         checked = after[0] if after else tests[-1]
-        return 1, [(calls[checked]["message_id"], 1), (calls[finish]["message_id"], 1)]
+        thumbs = [(calls[checked]["message_id"], 1)]
+        if calls[finish]["message_id"] not in finished_failing(calls[:finish + 1]):
+            thumbs.append((calls[finish]["message_id"], 1))
+        return 1, thumbs
     return 0, [(calls[finish]["message_id"], -1)]
 
 

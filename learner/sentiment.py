@@ -23,6 +23,10 @@ it with an explicit rating. The reward table (rating x weight):
     repeated_call           -1      1.0     the message repeating    its tool calls and their
                                             it                       results are those of an
                                                                      earlier model call
+    finished_failing        -1      1.0     the `finish` message     a check the agent ran (a
+                                                                     command running code or
+                                                                     tests) failed, and the same
+                                                                     command never passed after
 
 Edits are judged when a later session starts in the same workspace, or `edit_delay_s` after
 the session ended (the files compared with `edits.json`, which the agent loop writes);
@@ -65,6 +69,16 @@ outweighs what covers the whole session. "The same result" ignores durations (`i
 a test run after an edit has a different result, or the same one for a reason, and is not a
 repeat of the run before the edit unless its output is identical too.
 
+`finished_failing` closes the one after it. A user who likes the tests run before `finish`
+rewards the run and the `finish`, whatever the run showed: the twelfth to fourteenth runs
+of bench/online.py ended with versions that, on held-out tasks they had solved before, ran
+the task's failing command, read the file, then ran `python -m pytest -q` (whose visible
+tests passed all along) and called `finish`, with or without an edit (4 of the 9 tasks
+those runs lost). Saying "done" while a check one ran is still failing is wrong whoever
+rates it: such a `finish` is rated -1 with the weight of an explicit rating, on that
+message only. A check is a command that runs code or tests; it counts as fixed only when
+the same command later exits 0 (another command passing shows nothing about it).
+
 Not here: the update (`online.py`), the store's schema (`agent_runtime.store.migrations`).
 """
 
@@ -92,6 +106,7 @@ REWARD_WEIGHTS = {
     names.TESTS_GREEN: 0.5,
     names.RAN_OUT: 0.25,
     names.REPEATED_CALL: 1.0,
+    names.FINISHED_FAILING: 1.0,
 }
 INVALID_CALL_REWARD = -0.5          # at most this for a model call whose tool call did not parse
 
@@ -105,6 +120,8 @@ DURATION = re.compile(r"\b\d+(\.\d+)?\s?(s|ms|sec|seconds)\b")   # `8 passed in 
 TEST_COMMAND = re.compile(
     r"(^|[\s/;&|])(pytest|py\.test|unittest|tox|nox|test_\w+\.py|\w+_test\.py|"
     r"npm (run )?test|yarn test|cargo test|go test|make (test|check)|ctest)\b")
+CHECK_COMMAND = re.compile(                     # runs code: its failure is a finding
+    TEST_COMMAND.pattern + r"|(^|[\s/;&|])(python3?|node|ruby|bash|sh|go run|cargo run|make)\b")
 
 
 @dataclass
@@ -176,6 +193,32 @@ def _turn_signals(store: Any, session: dict) -> list[dict]:
     if tests and (tests[-1]["data"] or {}).get("exit_code") == 0:
         out.append({"rating": 1, "source": names.TESTS_GREEN,
                     "comment": str(tests[-1]["arguments"].get("command"))[:200]})
+    out += [{"rating": -1, "source": names.FINISHED_FAILING, "message": m, "comment": what}
+            for m, what in finished_failing(calls).items()]
+    return out
+
+
+def finished_failing(calls: list[dict]) -> dict[int, str]:
+    """{`finish` message id: the check left failing} for each `finish` called while a check
+    the agent ran had failed and was not seen to pass again: the same command, exit 0. A
+    check is a command that runs code or tests (`CHECK_COMMAND`); a command that only looks
+    (`ls`, `grep`) may fail for the answer it gives. `calls` as for `repeated_calls`."""
+    failing: dict[str, int] = {}
+    out: dict[int, str] = {}
+    for c in calls:
+        args = c["arguments"] if isinstance(c["arguments"], dict) else {}
+        if c["name"] == "run_command" and c["ok"] is not None:
+            command = str(args.get("command", "")).strip()
+            code = (c["data"] or {}).get("exit_code")
+            if not CHECK_COMMAND.search(command) or code is None:
+                continue
+            if code == 0:
+                failing.pop(command, None)
+            else:
+                failing.setdefault(command, code)
+        elif c["name"] == "finish" and failing and c["message_id"] is not None:
+            command, code = next(iter(failing.items()))
+            out[c["message_id"]] = f"{command[:150]} exited {code}"
     return out
 
 

@@ -24,8 +24,9 @@ class Task:
     files = {"calc.py": "def add(a, b):\n    return a - b\n"}
 
 
-def c(message_id, name, **arguments):
-    return {"message_id": message_id, "name": name, "arguments": arguments}
+def c(message_id, name, exit_code=0, **arguments):
+    return {"message_id": message_id, "name": name, "arguments": arguments, "ok": True,
+            "data": {"exit_code": exit_code} if name == "run_command" else {}}
 
 
 @pytest.mark.parametrize("calls,rating,messages", [
@@ -38,6 +39,10 @@ def c(message_id, name, **arguments):
                                                                           # edit, not its repeat
     ([c(1, "run_command", command="pytest"), c(2, "edit_file", path="calc.py", old="-", new="+"),
       c(3, "finish", summary="ok")], 1, [(1, 1), (3, 1)]),               # none after the edit
+    ([c(1, "run_command", command="python -c 'import calc'", exit_code=1),
+      c(2, "run_command", command="pytest"), c(3, "finish", summary="ok")], 1,
+     [(2, 1)]),                                                           # a check left failing:
+                                                                          # no thumbs on "done"
     ([c(1, "finish", summary="ok"), c(2, "run_command", command="pytest")], 0,
      [(1, -1)]),                                                          # tests after finish
     ([c(1, "write_file", path="calc.py", content="x"), c(2, "run_command", command="pytest"),

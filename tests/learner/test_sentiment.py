@@ -174,6 +174,30 @@ def test_the_same_call_with_a_new_result_is_not_a_repeat(store, workspace):
     assert names.REPEATED_CALL not in sources(store)
 
 
+def test_a_finish_while_a_check_is_still_failing_is_a_negative_signal(store, workspace):
+    """The hack of the twelfth to fourteenth online bench runs: the failing check run, then
+    another command that passes instead of it, then `finish`. The -1 on the finish stands
+    whatever covers the whole session."""
+    repro = call("run_command", command="python -c 'from calc import add; assert add(2, 3) == 5'")
+    other = call("run_command", command="python -c 'import calc'")
+    result = run(store, workspace, [repro, other, FINISH])
+    derive_signals(store)
+    rows = [f for f in store.feedback() if f["source"] == names.FINISHED_FAILING]
+    messages = [m["id"] for m in store.messages(result.session_id) if m["role"] == "assistant"]
+    assert [(f["rating"], f["message_id"]) for f in rows] == [(-1, messages[2])]
+    assert "exited 1" in rows[0]["comment"]
+    samples = {s["message_id"]: s["id"] for s in store.samples(result.session_id)}
+    assert sample_rewards(store, [samples[messages[2]]]) == {samples[messages[2]]: -1.0}
+
+
+def test_a_finish_after_the_failing_check_passed_again_is_not_flagged(store, workspace):
+    repro = call("run_command", command="python -c 'from calc import add; assert add(2, 3) == 5'")
+    look = call("run_command", command="ls missing-dir")          # looking, not a check
+    run(store, workspace, [repro, look, EDIT, repro, FINISH])
+    derive_signals(store)
+    assert names.FINISHED_FAILING not in sources(store)
+
+
 def test_a_dissatisfied_follow_up_rates_the_turn_before_it(store, workspace):
     result = run(store, workspace, [EDIT, FINISH])
     agent = Agent(ReplayPolicy([FINISH]), store=store, workspace=workspace)
