@@ -231,18 +231,30 @@ class OnlineLearner:
         gate result, the state it gated, its scale, and the reasons of the scales rejected
         before."""
         from agent_runtime.policies import resolve_model_path
+        from agent_runtime import delta
         gate = self.gate(resolve_model_path(self.config.model))
         sha = self.versions.info(serving_version).sha256
+        anchor = self._anchor()
         scale, rejected = 1.0, []
         while True:
             trial = candidate if scale == 1.0 else _scaled(serving, candidate, scale)
-            result = gate.check(serving, sha, trial)
+            result = gate.check(serving, sha, trial, delta.state_sha256(trial), anchor)
             if result.passed or len(rejected) >= self.config.backtrack:
                 return result, trial, scale, rejected
             rejected.append(result.reason)
             log.info("cycle %d: the gate rejected %g x the change (%s); trying %g x",
                      cycle_id, scale, result.reason, scale / 2)
             scale /= 2
+
+    def _anchor(self) -> tuple[str, Any] | None:
+        """(state hash, state loader) of the version line's start, for the gate."""
+        marker = self.versions.root / BASE_FILE
+        try:
+            version = int(json.loads(marker.read_text())["version"])
+            info = self.versions.info(version)
+        except (OSError, ValueError, KeyError, TypeError, LookupError):
+            return None
+        return info.sha256, lambda: self.versions.state(version)
 
     # -- pieces ---------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 from agent_runtime.cli import main  # noqa: E402
 from agent_runtime.policies import load_policy  # noqa: E402
 from agent_runtime.store import SessionStore  # noqa: E402
-from learner.gate import GateConfig, GateMetrics, compare  # noqa: E402
+from learner.gate import Gate, GateConfig, GateMetrics, compare  # noqa: E402
 from learner.online import OnlineConfig, OnlineLearner, result_of  # noqa: E402
 from learner.tasks import generate  # noqa: E402
 
@@ -77,6 +77,35 @@ def test_more_repeated_calls_are_rejected():
 def test_asking_instead_of_acting_is_rejected():
     result = compare(SERVING, with_(no_call_rate=0.5), GateConfig())
     assert not result.passed and "without a tool call" in result.reason
+
+
+class ScriptedGate(Gate):
+    """The gate's bookkeeping (cache, anchor, comparison) with each state's numbers given,
+    not measured by episodes (those are the tests below); counts the measurements."""
+
+    def __init__(self, state_dir, numbers):
+        super().__init__("unused", state_dir)
+        self.numbers, self.measured = numbers, []
+
+    def measure(self, state):
+        self.measured.append(state["name"])
+        return self.numbers[state["name"]]
+
+
+def test_drift_inside_each_cycles_margin_is_caught_against_the_lines_start(tmp_path):
+    """Each cycle's rise of repeated calls passes against the serving version (within the
+    noise margin of its calls); against version 1 it is beyond it."""
+    gate = ScriptedGate(tmp_path, {"v1": with_(repeat_rate=0.30), "v2": with_(repeat_rate=0.37),
+                                   "v3": with_(repeat_rate=0.44)})
+    start = ("sha-v1", lambda: {"name": "v1"})
+    first = gate.check({"name": "v1"}, "sha-v1", {"name": "v2"}, "sha-v2", start)
+    assert first.passed, first.reason
+    second = gate.check({"name": "v2"}, "sha-v2", {"name": "v3"}, "sha-v3", start)
+    assert not second.passed
+    assert "since the version line's start: repeated calls 0.300 -> 0.440" in second.reason
+    assert compare(with_(repeat_rate=0.37), with_(repeat_rate=0.44), GateConfig()).passed
+    # every state measured once: v2's numbers as a candidate were its numbers as serving
+    assert gate.measured == ["v1", "v2", "v3"]
 
 
 GATE = GateConfig(n_tasks=2, max_steps=2, max_new_tokens=48, concurrency=1)

@@ -155,7 +155,7 @@ class StepSizeGate:
     def __init__(self, limit: float):
         self.limit, self.seen = limit, []
 
-    def check(self, serving, serving_sha, candidate):
+    def check(self, serving, serving_sha, candidate, candidate_sha=None, anchor=None):
         moved = max(float((candidate[k].float() - serving[k].float()).abs().max()) for k in serving)
         self.seen.append(moved)
         if moved > self.limit:
