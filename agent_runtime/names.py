@@ -42,7 +42,7 @@ PERMISSION_REJECTED = "permission_rejected"  # the user declined a tool call
 TESTS_GREEN = "tests_green"                # the session's own last test run passed
 RAN_OUT = "ran_out"                        # the agent used every model call, never finished
 REPEATED_CALL = "repeated_call"            # a model call repeated an earlier one, same result
-FINISHED_FAILING = "finished_failing"      # `finish` right after its own test run failed
+FINISHED_FAILING = "finished_failing"      # `finish` while a check it ran still failed
 IMPLICIT_SOURCES = (EDIT_KEPT, EDIT_REVERTED, FOLLOWUP_DISSATISFIED, RUN_CANCELLED,
                     PERMISSION_REJECTED, TESTS_GREEN, RAN_OUT, REPEATED_CALL, FINISHED_FAILING)
 FEEDBACK_SOURCES = (EXPLICIT, *IMPLICIT_SOURCES)   # plugins may declare more (hooks.py)
@@ -56,7 +56,7 @@ SOURCE_DESCRIPTIONS = {
     TESTS_GREEN: "the session's last test command passed",
     RAN_OUT: "the agent used its whole step budget without finishing",
     REPEATED_CALL: "the agent repeated a tool call it had made, and got the same result",
-    FINISHED_FAILING: "the agent said it was done while its last test run was failing",
+    FINISHED_FAILING: "the agent said it was done while a check it ran (code or tests) still failed",
 }
 
 # -- session origins: who made the session -----------------------------------------------------
