@@ -43,8 +43,10 @@ TESTS_GREEN = "tests_green"                # the session's own last test run pas
 RAN_OUT = "ran_out"                        # the agent used every model call, never finished
 REPEATED_CALL = "repeated_call"            # a model call repeated an earlier one, same result
 FINISHED_FAILING = "finished_failing"      # `finish` while a check it ran still failed
+CHECK_FIXED = "check_fixed"                # a check failing before its edits passed after
 IMPLICIT_SOURCES = (EDIT_KEPT, EDIT_REVERTED, FOLLOWUP_DISSATISFIED, RUN_CANCELLED,
-                    PERMISSION_REJECTED, TESTS_GREEN, RAN_OUT, REPEATED_CALL, FINISHED_FAILING)
+                    PERMISSION_REJECTED, TESTS_GREEN, RAN_OUT, REPEATED_CALL, FINISHED_FAILING,
+                    CHECK_FIXED)
 FEEDBACK_SOURCES = (EXPLICIT, *IMPLICIT_SOURCES)   # plugins may declare more (hooks.py)
 SOURCE_DESCRIPTIONS = {
     EXPLICIT: "a rating the user gave (command line, TUI, editor)",
@@ -57,6 +59,7 @@ SOURCE_DESCRIPTIONS = {
     RAN_OUT: "the agent used its whole step budget without finishing",
     REPEATED_CALL: "the agent repeated a tool call it had made, and got the same result",
     FINISHED_FAILING: "the agent said it was done while a check it ran (code or tests) still failed",
+    CHECK_FIXED: "a check that failed before the agent's edits passed after them (the same command)",
 }
 
 # -- session origins: who made the session -----------------------------------------------------

@@ -27,6 +27,10 @@ it with an explicit rating. The reward table (rating x weight):
                                                                      command running code or
                                                                      tests) failed, and the same
                                                                      command never passed after
+    check_fixed             +1      1.0     the edits that fixed it  a check that failed
+                                            and the run that passed  before the agent's first
+                                                                     edit passed after it (the
+                                                                     same command, exit 0)
 
 Edits are judged when a later session starts in the same workspace, or `edit_delay_s` after
 the session ended (the files compared with `edits.json`, which the agent loop writes);
@@ -79,6 +83,20 @@ rates it: such a `finish` is rated -1 with the weight of an explicit rating, on 
 message only. A check is a command that runs code or tests; it counts as fixed only when
 the same command later exits 0 (another command passing shows nothing about it).
 
+`check_fixed` is the credit the two before it leave out. A user who likes test runs before
+`finish` rates the test run; the task's own check (the command that showed the bug) is rated
+only when it fails again (`finished_failing`). The fifteenth run of bench/online.py, with
+that signal, still lost held-out tasks the same way: the versions it published learned
+`python -m pytest -q` as the rewarded check and ran it *instead of* the task's command, and
+the 73 `finished_failing` rows did not teach them to run the task's command again: nothing
+rewarded running it. Turning a failing check green is what the user wanted done, whoever
+rates it: the run that passed and the edits since the check last failed (the fix, not a
+misstep before it) are rated +1 with the weight of an explicit rating, each on its own
+message. Only a check that failed before the agent's first edit counts (the workspace as
+the user left it): repairing what the agent itself broke earns nothing. A command that
+fails on that workspace only because its script does not exist yet would still count once
+the agent wrote it; the user's explicit rating overrides it, as any implicit signal.
+
 Not here: the update (`online.py`), the store's schema (`agent_runtime.store.migrations`).
 """
 
@@ -107,6 +125,7 @@ REWARD_WEIGHTS = {
     names.RAN_OUT: 0.25,
     names.REPEATED_CALL: 1.0,
     names.FINISHED_FAILING: 1.0,
+    names.CHECK_FIXED: 1.0,
 }
 INVALID_CALL_REWARD = -0.5          # at most this for a model call whose tool call did not parse
 
@@ -195,7 +214,21 @@ def _turn_signals(store: Any, session: dict) -> list[dict]:
                     "comment": str(tests[-1]["arguments"].get("command"))[:200]})
     out += [{"rating": -1, "source": names.FINISHED_FAILING, "message": m, "comment": what}
             for m, what in finished_failing(calls).items()]
+    out += [{"rating": 1, "source": names.CHECK_FIXED, "message": m, "comment": what}
+            for m, what in checks_fixed(calls).items()]
     return out
+
+
+def _check_run(c: dict) -> tuple[str, int] | None:
+    """(command, exit code) of a call that ran a check (`CHECK_COMMAND`), else None."""
+    args = c["arguments"] if isinstance(c["arguments"], dict) else {}
+    if c["name"] != "run_command" or c["ok"] is None:
+        return None
+    command = str(args.get("command", "")).strip()
+    code = (c["data"] or {}).get("exit_code")
+    if not CHECK_COMMAND.search(command) or code is None:
+        return None
+    return command, code
 
 
 def finished_failing(calls: list[dict]) -> dict[int, str]:
@@ -206,12 +239,10 @@ def finished_failing(calls: list[dict]) -> dict[int, str]:
     failing: dict[str, int] = {}
     out: dict[int, str] = {}
     for c in calls:
-        args = c["arguments"] if isinstance(c["arguments"], dict) else {}
-        if c["name"] == "run_command" and c["ok"] is not None:
-            command = str(args.get("command", "")).strip()
-            code = (c["data"] or {}).get("exit_code")
-            if not CHECK_COMMAND.search(command) or code is None:
+        if c["name"] == "run_command":
+            if (run := _check_run(c)) is None:
                 continue
+            command, code = run
             if code == 0:
                 failing.pop(command, None)
             else:
@@ -219,6 +250,37 @@ def finished_failing(calls: list[dict]) -> dict[int, str]:
         elif c["name"] == "finish" and failing and c["message_id"] is not None:
             command, code = next(iter(failing.items()))
             out[c["message_id"]] = f"{command[:150]} exited {code}"
+    return out
+
+
+def checks_fixed(calls: list[dict]) -> dict[int, str]:
+    """{assistant message id: the check it fixed} for the run that turned a failing check
+    green and the edits since that check last failed: a check that failed before the
+    agent's first edit (`edit_file`, `write_file`), then exited 0, the same command. `calls`
+    as for `repeated_calls`."""
+    found: set[str] = set()                        # failed on the workspace as found
+    edits: dict[str, list[int]] = {}               # command -> edits since its last failure
+    out: dict[int, str] = {}
+    edited = False
+    for c in calls:
+        if c["name"] in ("edit_file", "write_file") and c["ok"]:
+            edited = True
+            for made in edits.values():
+                if c["message_id"] is not None:
+                    made.append(c["message_id"])
+        elif (run := _check_run(c)) is not None:
+            command, code = run
+            if code != 0:
+                if not edited:
+                    found.add(command)
+                if command in found:
+                    edits[command] = []
+            elif command in edits and edits[command]:
+                found.discard(command)             # fixed once: breaking it again and
+                what = f"{command[:150]} exited 0"  # repairing it earns nothing
+                for m in [*edits.pop(command), c["message_id"]]:
+                    if m is not None:
+                        out.setdefault(m, what)
     return out
 
 

@@ -154,7 +154,8 @@ def test_a_call_repeating_an_earlier_one_with_the_same_result_is_a_negative_sign
     """The twelfth online bench run's hack: the same passing test run again and again. The
     first test run after the edit is new (its result differs from the run before it), the
     second is a repeat (durations aside), and its -1 x 1.0 outweighs the session's green
-    tests (+0.5): the repeat's reward is -0.5, the first run's +0.5."""
+    tests (+0.5): the repeat's reward is -0.5, the run before the edit's +0.5, the first
+    run after it +1 (it showed the failing tests fixed: `check_fixed`)."""
     result = run(store, workspace, [TEST, EDIT, TEST, TEST, FINISH])
     derive_signals(store)
     rows = [f for f in store.feedback() if f["source"] == names.REPEATED_CALL]
@@ -164,7 +165,7 @@ def test_a_call_repeating_an_earlier_one_with_the_same_result_is_a_negative_sign
     assert rows[0]["message_id"] == messages[3]
     rewards = sample_rewards(store, [samples[m] for m in messages])
     assert rewards[samples[messages[3]]] == -0.5
-    assert rewards[samples[messages[2]]] == rewards[samples[messages[0]]] == 0.5
+    assert rewards[samples[messages[0]]] == 0.5 and rewards[samples[messages[2]]] == 1.0
 
 
 def test_the_same_call_with_a_new_result_is_not_a_repeat(store, workspace):
@@ -196,6 +197,52 @@ def test_a_finish_after_the_failing_check_passed_again_is_not_flagged(store, wor
     run(store, workspace, [repro, look, EDIT, repro, FINISH])
     derive_signals(store)
     assert names.FINISHED_FAILING not in sources(store)
+
+
+REPRO = call("run_command", command="python -c 'from calc import add; assert add(2, 3) == 5'")
+
+
+def test_the_edits_that_turned_a_failing_check_green_and_the_run_that_showed_it_are_credited(
+        store, workspace):
+    """The fifteenth online bench run's lost tasks: the task's own check ran once, failed,
+    and was never run again (`pytest`, rated, ran instead). The fix and the rerun of the
+    check that shows it are credited, each on its own message; the misstep before the fix
+    (it left the check failing) and the test run after it are not."""
+    misstep = call("edit_file", path="calc.py", old="a - b", new="a * b")
+    fix = call("edit_file", path="calc.py", old="a * b", new="a + b")
+    result = run(store, workspace, [REPRO, misstep, REPRO, fix, REPRO, TEST, FINISH],
+                 max_steps=8)
+    derive_signals(store)
+    messages = [m["id"] for m in store.messages(result.session_id) if m["role"] == "assistant"]
+    rows = [f for f in store.feedback() if f["source"] == names.CHECK_FIXED]
+    assert sorted((f["rating"], f["message_id"]) for f in rows) == [(1, messages[3]),
+                                                                    (1, messages[4])]
+    assert rows[0]["comment"].endswith("exited 0")
+    samples = {s["message_id"]: s["id"] for s in store.samples(result.session_id)}
+    rewards = sample_rewards(store, [samples[m] for m in messages])
+    assert rewards[samples[messages[3]]] == rewards[samples[messages[4]]] == 1.0
+    assert rewards[samples[messages[1]]] == rewards[samples[messages[5]]] == 0.5  # tests_green
+
+
+def test_repairing_a_check_the_agent_broke_itself_is_not_credited(store, workspace):
+    fix = call("edit_file", path="calc.py", old="a - b", new="a + b")
+    breaks = call("edit_file", path="calc.py", old="a + b", new="a * b")
+    repairs = call("edit_file", path="calc.py", old="a * b", new="a + b")
+    run(store, workspace, [fix, breaks, REPRO, repairs, REPRO, FINISH], max_steps=7)
+    derive_signals(store)
+    assert names.CHECK_FIXED not in sources(store)
+
+
+def test_a_check_fixed_once_earns_nothing_for_being_broken_and_fixed_again(store, workspace):
+    fix = call("edit_file", path="calc.py", old="a - b", new="a + b")
+    breaks = call("edit_file", path="calc.py", old="a + b", new="a * b")
+    repairs = call("edit_file", path="calc.py", old="a * b", new="a + b")
+    result = run(store, workspace, [REPRO, fix, REPRO, breaks, REPRO, repairs, REPRO, FINISH],
+                 max_steps=9)
+    derive_signals(store)
+    messages = [m["id"] for m in store.messages(result.session_id) if m["role"] == "assistant"]
+    assert sorted(f["message_id"] for f in store.feedback()
+                  if f["source"] == names.CHECK_FIXED) == [messages[1], messages[2]]
 
 
 def test_a_dissatisfied_follow_up_rates_the_turn_before_it(store, workspace):
