@@ -142,7 +142,8 @@ def main(argv=None) -> None:
                    "differed by 31 points)")
     p.add_argument("--eval-n", type=int, default=40, help="held-out tasks for pass@1 (one "
                    "task of 16 is 6.25 points, coarser than the 2-point goal)")
-    p.add_argument("--gate-tasks", type=int, default=8, help="the gate's held-out tasks")
+    p.add_argument("--gate-tasks", type=int, default=None,
+                   help="the gate's held-out tasks (default: the learner's)")
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0, help="sessions' sampling")
@@ -174,8 +175,9 @@ def main(argv=None) -> None:
     store = SessionStore(home)
     tuning = {k: v for k, v in [("steps", args.steps), ("max_update", args.max_update),
                                 ("max_changed", args.max_changed)] if v is not None}
+    gate_tasks = {} if args.gate_tasks is None else {"n_tasks": args.gate_tasks}
     config = OnlineConfig(model=args.model, backtrack=args.backtrack, **tuning,
-                          gate=GateConfig(n_tasks=args.gate_tasks, max_steps=args.max_steps,
+                          gate=GateConfig(max_steps=args.max_steps, **gate_tasks,
                                           max_new_tokens=args.max_new_tokens,
                                           concurrency=args.concurrency, sandbox=args.sandbox))
     config.trainer.temperature = args.temperature

@@ -20,8 +20,15 @@ candidates whose invalid calls rose by chance (bench/online.py: serving measured
 candidates at 0.130 and 0.217; earlier versions of the same line measured 0.13-0.16). With
 `z` = 1.645 a rise is rejected when a one-sided test at 5 % calls it real, or when it exceeds
 the fixed margin and the runs are large enough to tell, and always when it exceeds
-`max_noise_margin` (10 points), however few the calls. pass@1 keeps its fixed margin: 8 tasks
-cannot tell a real drop from chance, so it stays strict.
+`max_noise_margin` (10 points), however few the calls. pass@1 keeps its fixed margin: a
+handful of tasks cannot tell a real drop from chance, so it stays strict.
+
+Why 24 tasks: the gate sees a pass@1 regression only on tasks the serving version solves.
+The default model solved 1 of the first 8 held-out tasks, and the fifteenth run of
+bench/online.py lost 5 of the 9 of its 40 evaluation tasks it had solved while every
+cycle's gate measured 1 of 8 for serving and candidate alike; on 24 tasks it solves 5
+(measured: 110 s on 2 cores, 221 model calls). Each version is measured once (the cache
+below), so a cycle pays for the candidate's episodes only.
 
 The rates watch for the reward hacks Cursor reported with online RL from user signals:
 emitting broken tool calls so nothing can go wrong, and asking instead of acting; and for one
@@ -58,7 +65,7 @@ from learner.sentiment import repeated_calls
 
 @dataclass
 class GateConfig:
-    n_tasks: int = 8                # held-out simulated tasks (0: only the numbers' bookkeeping,
+    n_tasks: int = 24               # held-out simulated tasks (0: only the numbers' bookkeeping,
                                     # every candidate passes: for tests and tiny models)
     seed: int = 0                   # which held-out instances (fixed, so versions compare)
     max_steps: int = 8              # model calls per episode
