@@ -119,8 +119,10 @@ def rate_margin(a: float, n_a: int, b: float, n_b: int, fixed: float, z: float,
     return max(fixed, min(cap, z * math.sqrt(p * (1 - p) * (1 / n_a + 1 / n_b))))
 
 
-def compare(serving: GateMetrics, candidate: GateMetrics, config: GateConfig) -> GateResult:
-    """Pass, or fail with every regression beyond its margin named."""
+def compare(serving: GateMetrics, candidate: GateMetrics, config: GateConfig,
+            against: str = "") -> GateResult:
+    """Pass, or fail with every regression beyond its margin named (`against`: what the
+    reason says the candidate regressed against, when not the serving version)."""
     problems = []
     if candidate.pass_at_1 < serving.pass_at_1 - config.pass_margin - 1e-9:
         problems.append(f"held-out pass@1 {serving.pass_at_1:.3f} -> {candidate.pass_at_1:.3f}")
@@ -134,7 +136,8 @@ def compare(serving: GateMetrics, candidate: GateMetrics, config: GateConfig) ->
         if b > a + margin + 1e-9:
             problems.append(f"{what} {a:.3f} -> {b:.3f} of model calls (margin {margin:.3f})")
     if problems:
-        return GateResult(False, "regressed: " + "; ".join(problems), serving, candidate)
+        return GateResult(False, f"regressed{against}: " + "; ".join(problems), serving,
+                          candidate)
     return GateResult(True, f"no regression on {candidate.n} held-out tasks", serving, candidate)
 
 
@@ -164,12 +167,11 @@ class Gate:
         result = compare(base, measured, self.config)
         if not result.passed or anchor is None or anchor[0] == serving_sha:
             return result
-        start = compare(self.metrics(*anchor), measured, self.config)
+        start = compare(self.metrics(*anchor), measured, self.config,
+                        against=" since the version line's start")
         if start.passed:
             return result
-        return GateResult(False, start.reason.replace("regressed:", "regressed since the "
-                                                      "version line's start:", 1),
-                          base, measured)
+        return GateResult(False, start.reason, base, measured)
 
     def metrics(self, sha: str, state: Callable[[], Mapping[str, torch.Tensor]]
                 ) -> GateMetrics:

@@ -171,7 +171,6 @@ class OnlineLearner:
                 raise
 
     def _train_gate_publish(self, cycle_id: int, ids: list[int]) -> CycleResult:
-        from agent_runtime import delta
         rewards = sample_rewards(self.store, ids)
         serving_version, serving = self.serving_state()
         samples = self._train_samples(ids, rewards, serving_version)
@@ -193,7 +192,7 @@ class OnlineLearner:
         moved = _cap_update(trainer.model, serving, self.config.max_update)
         candidate = trainer.published_state()
         _hold(self.dir, "training")
-        gate, candidate, scale, rejected = self._gate_backtracking(
+        gate, candidate, sha, scale, rejected = self._gate_backtracking(
             cycle_id, serving, serving_version, candidate)
         trainer.model.load_state_dict({k: v.float() for k, v in candidate.items()})
         after = _token_logprobs(trainer, samples)
@@ -206,7 +205,6 @@ class OnlineLearner:
                          reason=gate.reason)
             result.status = names.CYCLE_REJECTED
             return result
-        sha = delta.state_sha256(candidate)
         if sha == self.versions.info(serving_version).sha256:
             result.gate = {**result.gate, "passed": False,
                            "reason": "the update does not change the published (bf16) weights"}
@@ -224,12 +222,12 @@ class OnlineLearner:
 
     def _gate_backtracking(self, cycle_id: int, serving: dict[str, torch.Tensor],
                            serving_version: int, candidate: dict[str, torch.Tensor]
-                           ) -> tuple[Any, dict[str, torch.Tensor], float, list[str]]:
+                           ) -> tuple[Any, dict[str, torch.Tensor], str, float, list[str]]:
         """Gate the candidate; when rejected, gate serving + half its change, up to
         `backtrack` times (the backtracking line search of TRPO: a step size that was too
         large for this cycle's samples costs a smaller step, not the cycle). Returns the last
-        gate result, the state it gated, its scale, and the reasons of the scales rejected
-        before."""
+        gate result, the state it gated and that state's hash, its scale, and the reasons of
+        the scales rejected before."""
         from agent_runtime.policies import resolve_model_path
         from agent_runtime import delta
         gate = self.gate(resolve_model_path(self.config.model))
@@ -238,9 +236,10 @@ class OnlineLearner:
         scale, rejected = 1.0, []
         while True:
             trial = candidate if scale == 1.0 else _scaled(serving, candidate, scale)
-            result = gate.check(serving, sha, trial, delta.state_sha256(trial), anchor)
+            trial_sha = delta.state_sha256(trial)
+            result = gate.check(serving, sha, trial, trial_sha, anchor)
             if result.passed or len(rejected) >= self.config.backtrack:
-                return result, trial, scale, rejected
+                return result, trial, trial_sha, scale, rejected
             rejected.append(result.reason)
             log.info("cycle %d: the gate rejected %g x the change (%s); trying %g x",
                      cycle_id, scale, result.reason, scale / 2)
