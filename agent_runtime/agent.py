@@ -419,7 +419,8 @@ class Agent:
         return self.store.add_sample(
             self.session_id, segment, message_id, completion.prompt_ids,
             completion.completion_ids, completion.logprobs, completion.routes,
-            completion.version, completion.finish_reason, completion.temperature)
+            completion.version, completion.finish_reason, completion.temperature,
+            forced=completion.meta.get("forced"))
 
     # -- resume --------------------------------------------------------------------------
 

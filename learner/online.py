@@ -317,7 +317,7 @@ class OnlineLearner:
                                logprobs=row["logprobs"], routes=row["routes"],
                                version=row["policy_version"], advantage=r - baseline,
                                session_id=row["session_id"], advantage_reward=r,
-                               temperature=row["temperature"]))
+                               temperature=row["temperature"], forced=tuple(row["forced"])))
         return out
 
     def baseline(self) -> float:

@@ -42,7 +42,7 @@ import torch
 
 from agent_runtime.model import MoEModel, load_model
 from learner.config import TrainerConfig, to_dict
-from learner.grpo import TrainSample, behaviour_kl, mean_or_nan, policy_loss
+from learner.grpo import TrainSample, behaviour_kl, mean_or_nan, policy_loss, token_weights
 from learner.precision import Bf16Copy, bf16_compute
 
 log = logging.getLogger(__name__)
@@ -245,6 +245,7 @@ class Trainer:
                                      device=dev)
             logprobs = torch.cat([o.logprobs for o in outs])
             loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
+            loss = loss * token_weights(batch).to(dev, loss.dtype)
             if n_tok:
                 (loss.sum() / n_tok).backward()
                 if self._work is not None:

@@ -244,6 +244,14 @@ def m005_rating_replaces(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+@migration
+def m006_sample_forced(db: sqlite_utils.Database) -> None:
+    """The completion positions whose token the call grammar chose: the model's own draw
+    could not run, and the token was drawn again from what could (`Generation.forced`;
+    uint32 as `completion_ids`). NULL: none, or not recorded (older rows)."""
+    db.execute("ALTER TABLE samples ADD COLUMN forced BLOB")
+
+
 def _applied(db: sqlite_utils.Database) -> set[str]:
     if not db["_migrations"].exists():
         return set()

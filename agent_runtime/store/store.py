@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import sqlite_utils
 
@@ -268,15 +268,21 @@ class SessionStore:
 
     def add_sample(self, session_id: str, segment: int, message_id: int | None, prompt_ids,
                    completion_ids, logprobs, routes, policy_version: int,
-                   finish_reason: str = names.FINISH_STOP, temperature: float | None = None) -> int:
+                   finish_reason: str = names.FINISH_STOP, temperature: float | None = None,
+                   forced: Sequence[int] | None = None) -> int:
         """Record one model call as compact blobs (see `blobs`); returns its row id.
-        `temperature`: what the logprobs were recorded at (0 greedy, None unknown)."""
+        `temperature`: what the logprobs were recorded at (0 greedy, None unknown);
+        `forced`: the completion positions whose token the call grammar chose."""
         prompt = blobs.encode_ids(prompt_ids)
         completion = blobs.encode_ids(completion_ids)
         lps = blobs.encode_logprobs(logprobs)
         if len(lps) != len(completion):
             raise ValueError(f"{len(lps) // 4} logprobs for {len(completion) // 4} "
                              "completion tokens; need one per token")
+        n_completion = len(completion) // 4
+        if forced and not all(0 <= int(i) < n_completion for i in forced):
+            raise ValueError(f"forced positions {list(forced)[:8]} outside the "
+                             f"{n_completion} completion tokens")
         encoded = blobs.encode_routes(routes)
         r_blob, r_dtype, (r_t, r_l, r_k) = encoded or (None, None, (None, None, None))
         with self.transaction():
@@ -288,11 +294,12 @@ class SessionStore:
                 "INSERT INTO samples (session_id, segment, message_id, prompt_ids, "
                 "completion_ids, logprobs, n_prompt, n_completion, routes, routes_dtype, "
                 "routes_tokens, routes_layers, routes_k, policy_version, finish_reason, "
-                "temperature, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                "?, ?)",
+                "temperature, forced, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                "?, ?, ?, ?, ?, ?)",
                 [session_id, segment, message_id, prompt, completion, lps, len(prompt) // 4,
-                 len(completion) // 4, r_blob, r_dtype, r_t, r_l, r_k, int(policy_version),
-                 finish_reason, None if temperature is None else float(temperature), _now()])
+                 n_completion, r_blob, r_dtype, r_t, r_l, r_k, int(policy_version),
+                 finish_reason, None if temperature is None else float(temperature),
+                 blobs.encode_ids(forced) if forced else None, _now()])
 
     def link_sample(self, sample_id: int, message_id: int) -> None:
         """Attach a sample recorded before its message existed to that message."""
@@ -538,6 +545,7 @@ class SessionStore:
             "routes": blobs.decode_routes(r["routes"], r["routes_dtype"], shape),
             "policy_version": r["policy_version"], "finish_reason": r["finish_reason"],
             "temperature": r["temperature"], "created_at": r["created_at"],
+            "forced": blobs.decode_ids(r["forced"]),
         }
 
     def add_reward(self, session_id: str, task_id: str, reward: float, passed: bool, *,

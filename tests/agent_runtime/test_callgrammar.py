@@ -220,6 +220,22 @@ def test_a_refused_first_byte_refuses_every_token_it_starts(tmp_path, workspace)
 
 # -- the agent loop ----------------------------------------------------------------------
 
+def test_the_agent_records_which_tokens_the_grammar_chose(tmp_path, workspace):
+    """The engine says which tokens the grammar drew in place of the model's own
+    (`Completion.meta["forced"]`); the sample keeps them, for the learner
+    (`learner.grpo.token_weights`)."""
+    class Forcing(GrammarTaker):
+        def complete(self, messages, tools=None, *, grammar=None, **kw):
+            c = super().complete(messages, tools, grammar=grammar, **kw)
+            c.completion_ids, c.logprobs, c.meta = [2, 3, 4], [0.0, -1.0, -2.0], {"forced": [1]}
+            return c
+
+    store = SessionStore(tmp_path / "home")
+    result = Agent(Forcing(), store=store, workspace=workspace,
+                   config=AgentConfig(max_steps=2)).run("Finish.")
+    assert [s["forced"] for s in store.samples(result.session_id)] == [[1]]
+
+
 @pytest.mark.parametrize("constrain", [True, False])
 def test_agent_hands_the_policy_a_grammar_of_its_tools_and_workspace(tmp_path, workspace, constrain):
     policy = GrammarTaker()

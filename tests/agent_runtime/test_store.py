@@ -131,9 +131,11 @@ def test_samples_round_trip_through_the_store(store, data):
     layers, k = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
     experts = data.draw(st.sampled_from([8, 256, 257, 1000]))
     routes = data.draw(hnp.arrays(np.int64, (n, layers, k), elements=st.integers(0, experts - 1)))
-    store.add_sample(sid, 0, None, prompt, completion, lps, routes, 3, "length")
+    forced = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n))) if n else []
+    store.add_sample(sid, 0, None, prompt, completion, lps, routes, 3, "length", forced=forced)
     (got,) = store.samples(sid)
     assert (got["prompt_ids"], got["completion_ids"], got["logprobs"]) == (prompt, completion, lps)
+    assert got["forced"] == forced
     assert np.array_equal(got["routes"], routes)
     assert got["routes"].dtype == (np.uint8 if routes.size == 0 or routes.max() < 256
                                    else np.int16)
@@ -152,6 +154,13 @@ def test_sample_needs_one_logprob_per_completion_token(store):
     sid = store.create_session("t", "w", "m")
     with pytest.raises(ValueError, match="one per token"):
         store.add_sample(sid, 0, None, [1], [2, 3], [-0.5], None, 0)
+    assert store.samples(sid) == []
+
+
+def test_forced_positions_must_be_completion_positions(store):
+    sid = store.create_session("t", "w", "m")
+    with pytest.raises(ValueError, match="outside the 2 completion tokens"):
+        store.add_sample(sid, 0, None, [1], [2, 3], [-0.5, -0.5], None, 0, forced=[2])
     assert store.samples(sid) == []
 
 

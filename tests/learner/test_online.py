@@ -59,6 +59,17 @@ def test_a_rated_completion_alone_moves_its_way(store, ckpt, policy, rating):
     assert shift["liked" if rating > 0 else "disliked"] * rating > 0
 
 
+def test_a_disliked_call_the_grammar_wrote_teaches_nothing(store, ckpt, policy):
+    """Every token of the rated call was the grammar's choice, not the model's: a thumbs
+    down on it moves nothing (learner.grpo.token_weights), so the cycle has no update."""
+    store.add_feedback(-1, session_id=record_session(store, policy, "fix it", VALID,
+                                                     forced="all"))
+    result = learner(store, ckpt).run_cycle()
+    assert result.samples == 1 and result.version is None
+    assert result.gate["reason"] == "the update does not change the published (bf16) weights"
+    assert result.logprob_shift["disliked"] == 0.0
+
+
 def test_samples_of_versions_beyond_the_staleness_limit_are_dropped(store, ckpt, policy):
     store.add_feedback(1, session_id=record_session(store, policy, "new", VALID, version=1))
     online = learner(store, ckpt, max_staleness=0)

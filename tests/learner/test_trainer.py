@@ -19,7 +19,7 @@ from agent_runtime.store import SessionStore  # noqa: E402
 from learner import pipeline  # noqa: E402
 from learner.config import (OptimConfig, PipelineConfig, RolloutConfig, RunConfig,  # noqa: E402
                             TrainerConfig)
-from learner.grpo import TrainSample  # noqa: E402
+from learner.grpo import TrainSample, token_weights  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from learner.versions import VersionStore  # noqa: E402
 
@@ -222,6 +222,29 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_size(ckpt, tmp_path, k
     for key in ("loss", "kl", "flip_rate", "clip_frac", "ref_kl", "grad_norm"):
         assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4, abs=1e-9), key
     assert rows[0]["flip_rate"] > 0 and (kl_coef == 0 or rows[0]["ref_kl"] > 0)
+
+
+def test_tokens_the_grammar_chose_carry_no_loss_when_the_advantage_is_negative(ckpt, tmp_path):
+    """A negative sample's forced tokens add nothing (lowering them would raise the model's
+    own draw, the call that could not run); a positive sample's are learned as any other.
+    So the step on both equals the step on the positive one alone, scaled by its share of
+    the batch's tokens (the token-level mean's denominator counts every token)."""
+    negative, positive = rollouts(ckpt, n=2, seed=1)
+    assert negative.advantage < 0 < positive.advantage
+    every = lambda s: TrainSample(**{**s.__dict__, "forced": tuple(range(s.n_tokens))})
+    grads = []
+    for batch in ([every(negative), every(positive)], [positive]):
+        t = Trainer(load_model(ckpt, dtype=torch.float32), tmp_path / str(len(batch)),
+                    TrainerConfig(optim=OptimConfig(lr=1e-2, grad_clip=0.0)))   # grads as computed
+        t.step(batch)
+        grads.append({n: p.grad for n, p in t.model.named_parameters() if p.grad is not None})
+    share = positive.n_tokens / (positive.n_tokens + negative.n_tokens)
+    assert grads[0].keys() == grads[1].keys() and grads[1]
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g * share, rtol=1e-3, atol=1e-6)
+    partial = TrainSample(**{**negative.__dict__, "forced": (0, negative.n_tokens - 1)})
+    assert token_weights([positive, partial]).tolist() == (
+        [1.0] * positive.n_tokens + [0.0] + [1.0] * (negative.n_tokens - 2) + [0.0])
 
 
 def test_bf16_compute_trains_the_fp32_masters(ckpt, tmp_path):
