@@ -21,12 +21,13 @@ over tokens divided by the number of completion tokens in the whole batch (token
 
 Tokens the call grammar chose (`TrainSample.forced`: the model drew a token that could not
 run, and the engine drew again from what could) carry no loss in a sample with a negative
-advantage (`token_weights`). The model did not choose them; lowering one raises the model's
-own draw most, which is the call that could not run: the update would teach broken calls
-that serving hides and the gate's free episodes show (bench/online.py, sixteenth run: the
-first candidate's invalid calls 0.129 -> 0.248 of model calls on 24 held-out tasks, from 41
-liked and 78 disliked samples). With a positive advantage they are learned: a call that was
-good, written as it could run.
+advantage (`token_weights`). The model did not choose them, and lowering one raises every
+other token in proportion to its probability, so most the tokens the model preferred, its
+refused draw among them: the update would teach the broken calls that serving hides and the
+gate's free episodes show. (bench/online.py, sixteenth run, before this: the first
+candidate's invalid calls 0.129 -> 0.248 of model calls on 24 held-out tasks, trained on 41
+liked and 78 disliked samples; consistent with this, not a proof of it.) With a positive
+advantage they are learned: a call that was good, written as it could run.
 
 Not here: running the model (`trainer.py`) or producing episodes (`pipeline.py`).
 """
