@@ -57,7 +57,7 @@ def _tuning_options(fn):
                           "the most for the update's objective (default 0.02; 1 = all). Smaller "
                           "deltas to ship to runtimes."),
         click.option("--gate-tasks", type=click.IntRange(0), default=None,
-                     help="Held-out simulated tasks the gate runs (default 8; 0 = no gate)."),
+                     help="Held-out simulated tasks the gate runs (default 24; 0 = no gate)."),
     ]):
         fn = option(fn)
     return fn
