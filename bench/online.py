@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     config = OnlineConfig(model=args.model, backtrack=args.backtrack, **tuning,
                           gate=GateConfig(max_steps=args.max_steps, **gate_tasks,
                                           max_new_tokens=args.max_new_tokens,
-                                          concurrency=args.concurrency, sandbox=args.sandbox))
+                                          sandbox=args.sandbox))
     config.trainer.temperature = args.temperature
     if args.lr is not None:
         config.trainer.optim.lr = args.lr
