@@ -111,6 +111,7 @@ from typing import Any
 
 from agent_runtime import names
 from agent_runtime.agent import EDITS_FILE, INVALID_CALL
+from agent_runtime.approvals import EDIT_TOOLS
 from agent_runtime.learning import RATED_SAMPLES_SQL, load_config, workspace_excluded
 
 PLUGIN_WEIGHT = 0.5                 # a source a plugin declares (`register_feedback_sources`)
@@ -239,9 +240,7 @@ def finished_failing(calls: list[dict]) -> dict[int, str]:
     failing: dict[str, int] = {}
     out: dict[int, str] = {}
     for c in calls:
-        if c["name"] == "run_command":
-            if (run := _check_run(c)) is None:
-                continue
+        if (run := _check_run(c)) is not None:
             command, code = run
             if code == 0:
                 failing.pop(command, None)
@@ -256,17 +255,17 @@ def finished_failing(calls: list[dict]) -> dict[int, str]:
 def checks_fixed(calls: list[dict]) -> dict[int, str]:
     """{assistant message id: the check it fixed} for the run that turned a failing check
     green and the edits since that check last failed: a check that failed before the
-    agent's first edit (`edit_file`, `write_file`), then exited 0, the same command. `calls`
-    as for `repeated_calls`."""
+    agent's first edit (`EDIT_TOOLS`), then exited 0, the same command. `calls` as for
+    `repeated_calls`."""
     found: set[str] = set()                        # failed on the workspace as found
     edits: dict[str, list[int]] = {}               # command -> edits since its last failure
     out: dict[int, str] = {}
     edited = False
     for c in calls:
-        if c["name"] in ("edit_file", "write_file") and c["ok"]:
+        if c["name"] in EDIT_TOOLS and c["ok"]:
             edited = True
-            for made in edits.values():
-                if c["message_id"] is not None:
+            if c["message_id"] is not None:
+                for made in edits.values():
                     made.append(c["message_id"])
         elif (run := _check_run(c)) is not None:
             command, code = run

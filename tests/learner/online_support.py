@@ -35,8 +35,9 @@ def scored(policy, messages: list[dict], text: str, stop: bool = True) -> dict:
 
 
 def record_session(store, policy, task: str, text: str, workspace: str = "ws",
-                   version: int = 1, stop: bool = True, forced: str = "", **session) -> str:
-    """A finished user session with one model call that produced `text` (`forced="all"`:
+                   version: int = 1, stop: bool = True, all_forced: bool = False,
+                   **session) -> str:
+    """A finished user session with one model call that produced `text` (`all_forced`:
     every token of it drawn by the call grammar, not the model)."""
     sid = store.create_session(task, workspace, policy.name, version, **session)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
@@ -46,7 +47,7 @@ def record_session(store, policy, task: str, text: str, workspace: str = "ws",
     s = scored(policy, messages, text, stop)
     store.add_sample(sid, 0, mid, s["prompt_ids"], s["completion_ids"], s["logprobs"],
                      s["routes"], version, "stop" if stop else "length",
-                     forced=range(len(s["completion_ids"])) if forced == "all" else None)
+                     forced=range(len(s["completion_ids"])) if all_forced else None)
     store.set_status(sid, "finished")
     return sid
 

@@ -63,7 +63,7 @@ def test_a_disliked_call_the_grammar_wrote_teaches_nothing(store, ckpt, policy):
     """Every token of the rated call was the grammar's choice, not the model's: a thumbs
     down on it moves nothing (learner.grpo.token_weights), so the cycle has no update."""
     store.add_feedback(-1, session_id=record_session(store, policy, "fix it", VALID,
-                                                     forced="all"))
+                                                     all_forced=True))
     result = learner(store, ckpt).run_cycle()
     assert result.samples == 1 and result.version is None
     assert result.gate["reason"] == "the update does not change the published (bf16) weights"
