@@ -156,7 +156,10 @@ def main(argv=None) -> None:
                    help="halvings of a rejected candidate, each gated again")
     p.add_argument("--rate", choices=("messages", "sessions"), default="messages",
                    help="what the simulated user rates (see the module docstring)")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="rated and probe sessions decoded at once (the held-out evaluation "
+                        "runs one episode at a time, as the gate does: at 4, which calls "
+                        "share a batch moves its greedy numbers)")
     p.add_argument("--sandbox", default=None)
     p.add_argument("--home", type=Path, default=None)
     p.add_argument("--json", action="store_true", help="print the numbers as JSON at the end")
@@ -186,8 +189,7 @@ def main(argv=None) -> None:
     learner = OnlineLearner(store, config)
     evaluator = Gate(args.model, home / "bench-eval",
                      GateConfig(n_tasks=args.eval_n, seed=1, max_steps=args.max_steps,
-                                max_new_tokens=args.max_new_tokens,
-                                concurrency=args.concurrency, sandbox=args.sandbox))
+                                max_new_tokens=args.max_new_tokens, sandbox=args.sandbox))
     version, state = learner.serving_state()
     t0 = time.monotonic()
     before = measure(args, state, version, store, evaluator)
