@@ -59,6 +59,7 @@ TEST_RE = re.compile(r"(pytest|unittest|test_\w+\.py|\w+_test\.py|make test|npm 
 def taste(task, calls: list[dict]) -> tuple[int, list[tuple[int, int]]]:
     """The simulated user's fixed rules: (+1 liked / -1 disliked / 0 neither, [(assistant
     message id, +1/-1)] the messages that decided it)."""
+    from agent_runtime.approvals import EDIT_TOOLS
     from learner.sentiment import finished_failing
     rewrites = [c["message_id"] for c in calls if c["name"] == "write_file"
                 and (c["arguments"] or {}).get("path") in task.files]
@@ -73,8 +74,7 @@ def taste(task, calls: list[dict]) -> tuple[int, list[tuple[int, int]]]:
     if tests:
         # the run that checked the final change: the first after the last edit (the runs
         # repeating it checked nothing new), else the last one
-        edits = [i for i, c in enumerate(calls[:finish]) if c["name"] in ("edit_file",
-                                                                          "write_file")]
+        edits = [i for i, c in enumerate(calls[:finish]) if c["name"] in EDIT_TOOLS]
         after = [i for i in tests if not edits or i > edits[-1]]
         checked = after[0] if after else tests[-1]
         thumbs = [(calls[checked]["message_id"], 1)]
