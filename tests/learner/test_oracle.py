@@ -49,9 +49,14 @@ def test_plans_read_edit_check_and_finish_with_builtin_tools():
         calls = [c["name"] for t in turns for c in t["calls"]]
         assert set(calls) <= names, task.id
         assert calls[0] in ("read_file", "grep", "run_command"), task.id
-        assert {"edit_file", "write_file"} & set(calls), task.id
-        assert "run_command" in calls[calls.index(next(c for c in calls if c in (
-            "edit_file", "write_file"))):], task.id      # checks after editing
+        # the change: an edit, or (renames) one substitution over the files, in the shell
+        changes = [i for i, c in enumerate(c for t in turns for c in t["calls"])
+                   if c["name"] in ("edit_file", "write_file") or (
+                       c["name"] == "run_command"
+                       and c["arguments"]["command"].startswith("sed -i "))]
+        assert changes, task.id
+        assert task.family != "rename_symbol" or "edit_file" not in calls, task.id
+        assert "run_command" in calls[changes[0] + 1:], task.id      # checks after changing
         assert len(turns) + 1 >= 3
 
 
