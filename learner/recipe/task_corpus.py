@@ -16,10 +16,12 @@ from __future__ import annotations
 from typing import Iterator
 
 from learner import tasks as sim
+from learner.tasks.rename import apply_rename
 
 
 def solved_files(task) -> dict[str, str]:
-    """The task's text files after its oracle plan's edits, with the hidden tests added."""
+    """The task's text files after its oracle plan's edits (and a rename's `sed`), with the
+    hidden tests added."""
     files = {p: c for p, c in task.files.items() if isinstance(c, str)}
     for turn in (task.solution or {}).get("turns", []):
         for call in turn["calls"]:
@@ -30,6 +32,8 @@ def solved_files(task) -> dict[str, str]:
             elif call["name"] == "edit_file" and path in files and args.get("old"):
                 count = -1 if args.get("replace_all") else 1
                 files[path] = files[path].replace(args["old"], args.get("new", ""), count)
+            elif call["name"] == "run_command":              # a rename's substitution
+                files = apply_rename(str(args.get("command", "")), files) or files
     files.update({p: c for p, c in task.hidden_tests.items() if isinstance(c, str)})
     return files
 

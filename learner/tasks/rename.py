@@ -57,6 +57,20 @@ def rename_command(old: str, new: str) -> str:
     return f"sed -i 's/\\<{old}\\>/{new}/g' $(grep -rlw --include='*.py' {old} .)"
 
 
+RENAME_RE = re.compile(r"sed -i 's/\\<(\w+)\\>/(\w+)/g' \$\(grep -rlw --include='\*\.py' \1 \.\)")
+
+
+def apply_rename(command: str, files: dict[str, str]) -> dict[str, str] | None:
+    """What `rename_command` does to `files` (path -> text), or None for another command."""
+    m = RENAME_RE.fullmatch(command)
+    if not m:
+        return None
+    old, new = m.groups()
+    word = re.compile(rf"\b{old}\b")
+    return {p: word.sub(new, t) if p.endswith(".py") and word.search(t) else t
+            for p, t in files.items()}
+
+
 def build(ctx: Context) -> Draft:
     rng, d, pkg = ctx.rng, ctx.difficulty, ctx.pkg
     target = ctx.func()

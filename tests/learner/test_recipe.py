@@ -265,7 +265,9 @@ def test_a_slip_garbles_one_call_and_the_turn_after_it_recovers():
 def test_slipped_episodes_pass_and_mask_the_slip(tok_dir, monkeypatch):
     from learner.recipe import sft
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
-    out = sft._collect_chunk(sft.Chunk(str(tok_dir), [1, 2], [10**6] * 2, slipped=[1, 2]))
+    # tasks 1 and 3: implement_function and fix_import (a rename reads nothing and makes no
+    # edit_file call, so it has no turn to slip on)
+    out = sft._collect_chunk(sft.Chunk(str(tok_dir), [1, 3], [10**6] * 2, slipped=[1, 3]))
     assert out["passed"] == 2 and out["slips"] == 2
     tok = load_tokenizer(tok_dir)
     for ids, mask in out["seqs"]:
