@@ -71,8 +71,8 @@ class GateConfig:
     max_steps: int = 8              # model calls per episode
     max_new_tokens: int = 256       # tokens per model call
     concurrency: int = 1            # episodes at once (their calls decode as one batch).
-                                    # 1: which calls share a batch depends on timing, and
-                                    # bf16 numerics on it; the default model on 24 tasks,
+                                    # Above 1, which calls share a batch depends on timing,
+                                    # and bf16 numerics on it; the default model on 24 tasks,
                                     # measured: at 4, pass@1 5, 5, 4 and invalid calls
                                     # 0.113, 0.129, 0.174 in three runs; at 1, 5, 5 and
                                     # 0.178, 0.181 in two (tool output with durations still

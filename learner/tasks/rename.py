@@ -57,7 +57,10 @@ def rename_command(old: str, new: str) -> str:
     return f"sed -i 's/\\<{old}\\>/{new}/g' $(grep -rlw --include='*.py' {old} .)"
 
 
-RENAME_RE = re.compile(r"sed -i 's/\\<(\w+)\\>/(\w+)/g' \$\(grep -rlw --include='\*\.py' \1 \.\)")
+# `rename_command`'s own text with its names as groups (the first OLD names it, the second
+# must repeat it)
+RENAME_RE = re.compile(re.escape(rename_command("OLD", "NEW")).replace("OLD", r"(?P<old>\w+)", 1)
+                       .replace("NEW", r"(?P<new>\w+)").replace("OLD", "(?P=old)"))
 
 
 def apply_rename(command: str, files: dict[str, str]) -> dict[str, str] | None:
@@ -65,10 +68,8 @@ def apply_rename(command: str, files: dict[str, str]) -> dict[str, str] | None:
     m = RENAME_RE.fullmatch(command)
     if not m:
         return None
-    old, new = m.groups()
-    word = re.compile(rf"\b{old}\b")
-    return {p: word.sub(new, t) if p.endswith(".py") and word.search(t) else t
-            for p, t in files.items()}
+    word = re.compile(rf"\b{m['old']}\b")
+    return {p: word.sub(m["new"], t) if p.endswith(".py") else t for p, t in files.items()}
 
 
 def build(ctx: Context) -> Draft:

@@ -17,6 +17,7 @@ from agent_runtime.tools.registry import default_tools
 from learner.rollout import run_episodes
 from learner.tasks import FAMILIES, generate, load_task_folder
 from learner.tasks.oracle import OraclePolicy, script
+from learner.tasks.rename import RENAME_RE
 
 SEED = int(os.environ.get("APPRENTICE_ORACLE_SEED", "1"))
 PER_SPLIT = 17                                  # per family and split: 6 * 2 * 17 = 204
@@ -53,7 +54,7 @@ def test_plans_read_edit_check_and_finish_with_builtin_tools():
         changes = [i for i, c in enumerate(c for t in turns for c in t["calls"])
                    if c["name"] in ("edit_file", "write_file") or (
                        c["name"] == "run_command"
-                       and c["arguments"]["command"].startswith("sed -i "))]
+                       and RENAME_RE.fullmatch(c["arguments"]["command"]))]
         assert changes, task.id
         assert task.family != "rename_symbol" or "edit_file" not in calls, task.id
         assert "run_command" in calls[changes[0] + 1:], task.id      # checks after changing
