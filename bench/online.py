@@ -154,6 +154,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per cycle")
     p.add_argument("--backtrack", type=int, default=1,
                    help="halvings of a rejected candidate, each gated again")
+    p.add_argument("--practice-tasks", type=int, default=0,
+                   help="simulated training tasks the serving version practises each cycle, "
+                        "its passes trained on beside the ratings (`learner.practice`; 0: none)")
     p.add_argument("--rate", choices=("messages", "sessions"), default="messages",
                    help="what the simulated user rates (see the module docstring)")
     p.add_argument("--concurrency", type=int, default=4,
@@ -170,6 +173,7 @@ def main(argv=None) -> None:
     from agent_runtime.store import SessionStore
     from learner.gate import Gate, GateConfig
     from learner.online import OnlineConfig, OnlineLearner
+    from learner.practice import PracticeConfig
     from learner.tasks import generate
 
     args.model = str(resolve_model_path(args.model))
@@ -182,7 +186,13 @@ def main(argv=None) -> None:
     config = OnlineConfig(model=args.model, backtrack=args.backtrack, **tuning,
                           gate=GateConfig(max_steps=args.max_steps, **gate_tasks,
                                           max_new_tokens=args.max_new_tokens,
-                                          sandbox=args.sandbox))
+                                          sandbox=args.sandbox),
+                          practice=PracticeConfig(tasks=args.practice_tasks,
+                                                  temperature=args.temperature,
+                                                  max_steps=args.max_steps,
+                                                  max_new_tokens=args.max_new_tokens,
+                                                  concurrency=args.concurrency,
+                                                  sandbox=args.sandbox))
     config.trainer.temperature = args.temperature
     if args.lr is not None:
         config.trainer.optim.lr = args.lr
@@ -206,7 +216,8 @@ def main(argv=None) -> None:
         cycles.append({**result.to_json(), "round": r, **behaviour(rated),
                        "delta_ratio": ratio})
         print(f"round {r}: {behaviour(rated)} -> {result.samples} samples "
-              f"({result.liked} liked, {result.disliked} disliked), "
+              f"({result.liked} liked, {result.disliked} disliked)"
+              f"{_practised(result.practice)}, "
               f"{'v' + str(result.version) if result.version else 'rejected'}: "
               f"{result.gate.get('reason')}; delta {ratio and f'{ratio:.1f}x'}", flush=True)
         version, state = learner.serving_state()
@@ -228,6 +239,13 @@ def main(argv=None) -> None:
 def _se(rate: float, n: int) -> float:
     """Standard error of a rate measured on n sessions."""
     return math.sqrt(rate * (1 - rate) / max(n, 1))
+
+
+def _practised(stats: dict | None) -> str:
+    if not stats:
+        return ""
+    return (f" + {stats['samples']} practice samples ({stats['passed']} of {stats['tasks']} "
+            f"tasks passed)")
 
 
 def _row(m: dict) -> str:

@@ -111,19 +111,19 @@ def group_samples(group: Group, config: LossConfig | None = None) -> list[TrainS
     adv = group_advantages(group.rewards, config.normalize_std)
     if adv is None:
         return []
-    out = []
-    for episode, a, samples in zip(group.episodes, adv, group.samples):
-        for s in samples:
-            if not s["completion_ids"]:
-                continue
-            out.append(TrainSample(prompt_ids=list(s["prompt_ids"]),
-                                   completion_ids=list(s["completion_ids"]),
-                                   logprobs=list(s["logprobs"]), routes=s.get("routes"),
-                                   version=int(s["policy_version"]), advantage=float(a),
-                                   session_id=episode.session_id,
-                                   temperature=s.get("temperature"),
-                                   forced=tuple(s.get("forced") or ())))
-    return out
+    return [train_sample(s, float(a), episode.session_id)
+            for episode, a, samples in zip(group.episodes, adv, group.samples)
+            for s in samples if s["completion_ids"]]
+
+
+def train_sample(row: dict, advantage: float, session_id: str | None) -> TrainSample:
+    """A recorded sample (a store dict: `SessionStore.samples`) with its advantage."""
+    return TrainSample(prompt_ids=list(row["prompt_ids"]),
+                       completion_ids=list(row["completion_ids"]),
+                       logprobs=list(row["logprobs"]), routes=row.get("routes"),
+                       version=int(row["policy_version"]), advantage=advantage,
+                       session_id=session_id, temperature=row.get("temperature"),
+                       forced=tuple(row.get("forced") or ()))
 
 
 def token_weights(samples: Sequence[TrainSample]) -> torch.Tensor:

@@ -35,6 +35,11 @@ about 15 % of them cross a bf16 rounding boundary, which the lossless delta code
 ~15x smaller than the state; 2 % of the weights, at the default step, ship at 72-79x (most
 kept changes are one bf16 spacing; measured on the default model: bench/online.py).
 
+Practice (`learner.practice`, off unless `practice.tasks` > 0): before training, the serving
+version runs a few simulated training tasks and every model call of its verified passes joins
+the cycle's batch as a positive sample (self-imitation), so the update is also asked to keep
+doing what solves tasks, which the users' ratings do not mention.
+
 The gate (`gate.py`) then compares candidate and serving version; accepted candidates become
 the next version of the version store, which connected runtimes receive as deltas.
 
@@ -70,6 +75,7 @@ from agent_runtime.learning import VERSIONS_DIR, learner_dir, load_config
 from learner.config import LossConfig, OptimConfig, TrainerConfig
 from learner.gate import Gate, GateConfig
 from learner.grpo import TrainSample
+from learner.practice import Practice, PracticeConfig
 from learner.sentiment import SignalConfig, derive_signals, rated_sample_ids, sample_rewards
 
 log = logging.getLogger(__name__)
@@ -114,6 +120,7 @@ class OnlineConfig:
     max_samples: int = 512          # samples per cycle at most (the oldest first)
     baseline_window: int = 256      # consumed samples the reward baseline averages over
     gate: GateConfig = field(default_factory=GateConfig)       # see GateConfig
+    practice: PracticeConfig = field(default_factory=PracticeConfig)  # see learner.practice
     signals: SignalConfig = field(default_factory=SignalConfig)  # see SignalConfig
 
 
@@ -125,13 +132,17 @@ class CycleResult:
     version: int | None = None      # the version published, or None
     gate: dict = field(default_factory=lambda: {"passed": False, "reason": "not run"})
     logprob_shift: dict = field(default_factory=lambda: {"liked": None, "disliked": None})
+    practice: dict | None = None    # PracticeStats of the cycle, when it practised
     status: str = names.CYCLE_EMPTY  # names.CYCLE_STATUSES (not in the JSON)
     cycle_id: int | None = None
 
     def to_json(self) -> dict:
         """The object `apprentice learn online --json` prints."""
-        return {"samples": self.samples, "liked": self.liked, "disliked": self.disliked,
-                "version": self.version, "gate": self.gate, "logprob_shift": self.logprob_shift}
+        out = {"samples": self.samples, "liked": self.liked, "disliked": self.disliked,
+               "version": self.version, "gate": self.gate, "logprob_shift": self.logprob_shift}
+        if self.practice is not None:
+            out["practice"] = self.practice
+        return out
 
 
 class LearnerBusy(RuntimeError):
@@ -148,6 +159,7 @@ class OnlineLearner:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.versions = VersionStore(self.config.versions or Path(store.home) / VERSIONS_DIR)
         self._gate: Gate | None = None
+        self._practice: Practice | None = None
 
     # -- the cycle ----------------------------------------------------------------------------
 
@@ -183,10 +195,13 @@ class OnlineLearner:
             self._finish(cycle_id, names.CYCLE_EMPTY, consumed, result.gate, result)
             result.status = names.CYCLE_EMPTY
             return result
+        practice, stats = self.practice().samples(serving_version, serving, cycle_id)
+        if self.config.practice.tasks > 0:
+            result.practice = stats.to_json()
         trainer = self._trainer(serving)
         before = _token_logprobs(trainer, samples)
         for _ in range(self.config.steps):
-            trainer.step(samples, extra_metrics={"cycle": cycle_id})
+            trainer.step(samples + practice, extra_metrics={"cycle": cycle_id})
         _sparsify_update(trainer.model, serving, self.config.max_changed,
                          lambda p: trainer.optimizer.state.get(p, {}).get("exp_avg"))
         moved = _cap_update(trainer.model, serving, self.config.max_update)
@@ -303,6 +318,13 @@ class OnlineLearner:
         if self._gate is None:
             self._gate = Gate(model_path, self.dir, self.config.gate)
         return self._gate
+
+    def practice(self) -> Practice:
+        if self._practice is None:
+            from agent_runtime.policies import resolve_model_path
+            self._practice = Practice(resolve_model_path(self.config.model), self.dir,
+                                      self.config.practice)
+        return self._practice
 
     def _train_samples(self, ids: list[int], rewards: dict[int, float],
                        serving_version: int) -> list["_Sample"]:

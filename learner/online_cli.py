@@ -31,7 +31,7 @@ def _versions_option(fn):
 
 def _online_config(model: str, versions_dir: Path | None, lr: float | None,
                    gate_tasks: int | None, max_update: float | None,
-                   max_changed: float | None = None):
+                   max_changed: float | None = None, practice_tasks: int | None = None):
     from learner.online import OnlineConfig
     config = OnlineConfig(model=model, versions=str(versions_dir) if versions_dir else None)
     if lr is not None:
@@ -42,6 +42,8 @@ def _online_config(model: str, versions_dir: Path | None, lr: float | None,
         config.max_update = max_update
     if max_changed is not None:
         config.max_changed = max_changed
+    if practice_tasks is not None:
+        config.practice.tasks = practice_tasks
     return config
 
 
@@ -58,6 +60,10 @@ def _tuning_options(fn):
                           "deltas to ship to runtimes."),
         click.option("--gate-tasks", type=click.IntRange(0), default=None,
                      help="Held-out simulated tasks the gate runs (default 24; 0 = no gate)."),
+        click.option("--practice-tasks", type=click.IntRange(0), default=None,
+                     help="Simulated training tasks the serving version practises each "
+                          "cycle; its verified passes join the update as positive samples "
+                          "(default 0 = none)."),
     ]):
         fn = option(fn)
     return fn
@@ -74,11 +80,12 @@ def _tuning_options(fn):
 @_tuning_options
 def online(once: bool, as_json: bool, model: str, versions_dir: Path | None, lr: float | None,
            max_update: float | None, max_changed: float | None,
-           gate_tasks: int | None) -> None:
+           gate_tasks: int | None, practice_tasks: int | None) -> None:
     """Learn from your rated sessions now: gather, train, gate, publish."""
     from agent_runtime.store import SessionStore
     from learner.online import LearnerBusy, OnlineLearner
-    config = _online_config(model, versions_dir, lr, gate_tasks, max_update, max_changed)
+    config = _online_config(model, versions_dir, lr, gate_tasks, max_update, max_changed,
+                            practice_tasks)
     with SessionStore() as store:
         learner = OnlineLearner(store, config)
         for _ in range(1 if once else 100):
@@ -146,8 +153,8 @@ def status(as_json: bool) -> None:
 @click.option("--poll-seconds", type=click.FloatRange(0.1), default=60.0, show_default=True,
               help="Look at the schedule this often even when the store does not change.")
 def daemon(model: str, versions_dir: Path | None, lr: float | None, max_update: float | None,
-           max_changed: float | None, gate_tasks: int | None, host: str, port: int, token: str,
-           no_serve: bool, poll_seconds: float) -> None:
+           max_changed: float | None, gate_tasks: int | None, practice_tasks: int | None,
+           host: str, port: int, token: str, no_serve: bool, poll_seconds: float) -> None:
     """Background learner for this machine: learns from rated sessions, serves versions."""
     import secrets
 
@@ -159,7 +166,7 @@ def daemon(model: str, versions_dir: Path | None, lr: float | None, max_update: 
     config = DaemonConfig(serve=not no_serve, host=host, port=port, token=token,
                           poll_s=poll_seconds,
                           online=_online_config(model, versions_dir, lr, gate_tasks, max_update,
-                                                 max_changed))
+                                                 max_changed, practice_tasks))
     with SessionStore() as store:
         d = Daemon(store, config)
         d.install_signals()
