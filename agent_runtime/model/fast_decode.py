@@ -17,8 +17,11 @@ It does not prefill, sample or manage caches (`generate` does) and never trains.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -51,13 +54,45 @@ def extension() -> Any:
                 # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is
                 # compiled into this module; without the flag the kernel ran on one thread
                 cap = torch.backends.cpu.get_cpu_capability().lower()
-                _ext = load(name=f"apprentice_decode_{cap}_omp", sources=[str(SOURCE)],
-                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                            extra_ldflags=["-fopenmp"], verbose=False)
+                name = f"apprentice_decode_{cap}_omp"
+                folder = build_directory(name)
+                with build_lock(folder):
+                    _ext = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
+                                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:          # no compiler or ninja: the Python path serves
                 _failed = f"{type(e).__name__}: {e}"
                 log.warning("C++ decode step unavailable, decoding in Python: %s", _failed)
         return _ext
+
+
+def build_directory(name: str) -> Path:
+    """Where extension `name` is built: under torch's extensions folder
+    ($TORCH_EXTENSIONS_DIR, else torch's default), one folder per Python and torch version."""
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return (Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}"
+            f"_torch{torch.__version__}" / name)
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """Hold the build in `folder` for this process. torch marks a build in progress with a
+    `lock` file that a build killed midway leaves behind, and every later build waits on it
+    forever (a hang at the first decode, with nothing said). This lock is an flock, which
+    the kernel releases when its holder dies; every build of ours takes it first, so a `lock`
+    file found while holding it is a killed build's, and is removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "apprentice.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def supported(model: MoEModel) -> str | None:

@@ -1,6 +1,9 @@
 """The C++ decode step: bitwise the Python step's tokens, logprobs and routes, or not used."""
 
 import os
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -93,3 +96,42 @@ def test_the_fused_experts_are_bitwise_the_expert_by_expert_loops(built, monkeyp
             monkeypatch.setattr(M, "FUSED_EXPERTS", True)
             fused = layer(x, idx, w.bfloat16())
             assert torch.equal(loops.view(torch.int16), fused.view(torch.int16)), (rows, top_k)
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path):
+    """torch's `lock` file, left by a build that was killed, is removed under our flock (the
+    next build would otherwise wait on it forever); while another process's build holds the
+    flock, its `lock` is left alone and the next build waits for it to end."""
+    folder = tmp_path / "ext"
+    folder.mkdir()
+    (folder / "lock").write_text("")
+    with fast_decode.build_lock(folder):
+        assert not (folder / "lock").exists()
+        (folder / "lock").write_text("")             # a build in progress: ours
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        waiting = threading.Thread(target=lambda: fast_decode.build_lock(folder).__enter__())
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and (folder / "lock").exists()
+    finally:
+        holder.kill()                                # killed mid-build: the kernel frees it
+        holder.wait()
+    waiting.join(30)
+    assert not waiting.is_alive() and not (folder / "lock").exists()
+
+
+HOLD = """
+import fcntl, sys, time
+f = open(sys.argv[1] + "/apprentice.lock", "a+")
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_builds_go_under_the_torch_extensions_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = fast_decode.build_directory("x")
+    assert folder.parent.parent == tmp_path and torch.__version__ in folder.parent.name
