@@ -207,11 +207,12 @@ class Gate:
                                                              constrain_calls=not c.free_calls))
             calls = invalid = no_call = repeats = 0
             for e in episodes:
-                kinds = call_kinds(store, e.session_id)
+                tool_calls = store.tool_calls(e.session_id)
+                kinds = call_kinds(store, e.session_id, tool_calls)
                 calls += len(kinds)
                 invalid += kinds.count("invalid")
                 no_call += kinds.count("none")
-                repeats += len(repeated_calls(store.tool_calls(e.session_id)))
+                repeats += len(repeated_calls(tool_calls))
         return GateMetrics(n=len(episodes),
                            pass_at_1=sum(e.passed for e in episodes) / max(1, len(episodes)),
                            calls=calls, invalid_rate=invalid / max(1, calls),
@@ -258,10 +259,13 @@ class Gate:
         tmp.replace(self._cache_path())
 
 
-def call_kinds(store: Any, session_id: str) -> list[str]:
+def call_kinds(store: Any, session_id: str, tool_calls: list[dict] | None = None) -> list[str]:
     """Per model call (assistant message, summaries excluded): "valid", "invalid" (a call
-    that did not parse or names no tool) or "none" (no tool call at all)."""
-    invalid = {r["message_id"] for r in store.tool_calls(session_id) if r["name"] == INVALID_CALL}
+    that did not parse or names no tool) or "none" (no tool call at all). `tool_calls`: the
+    session's, when the caller has read them already."""
+    if tool_calls is None:
+        tool_calls = store.tool_calls(session_id)
+    invalid = {r["message_id"] for r in tool_calls if r["name"] == INVALID_CALL}
     out = []
     for m in store.messages(session_id):
         if m["role"] != "assistant" or (m["meta"] or {}).get("kind") == "summary":
