@@ -2,6 +2,7 @@
 checkpoint goes through measuring, a round of sessions and a cycle."""
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -78,7 +79,9 @@ def test_a_smoke_run_measures_before_and_after(tmp_path, capsys, one_thread, mon
     ckpt = save_tiny_agent_checkpoint(tmp_path / "ckpt")
     load_bench().main(["--model", str(ckpt), "--rounds", "1", "--sessions", "1", "--probe", "1",
                        "--eval-n", "1", "--max-steps", "1", "--max-new-tokens", "8",
-                       "--gate-tasks", "0", "--concurrency", "1", "--home", str(tmp_path / "h")])
+                       "--gate-tasks", "0", "--concurrency", "1", "--practice-tasks", "1",
+                       "--home", str(tmp_path / "h")])
     out = capsys.readouterr().out
     # its one session runs out of its one step: `ran_out` rates it, so the cycle publishes v2
     assert "before (v1)" in out and "round 0" in out and "after  (v2)" in out
+    assert re.search(r"\+ \d+ practice samples \(\d of 1 tasks passed\)", out)
