@@ -74,7 +74,7 @@ from agent_runtime import names
 from agent_runtime.learning import VERSIONS_DIR, learner_dir, load_config
 from learner.config import LossConfig, OptimConfig, TrainerConfig
 from learner.gate import Gate, GateConfig
-from learner.grpo import TrainSample
+from learner.grpo import TrainSample, train_sample
 from learner.practice import Practice, PracticeConfig
 from learner.sentiment import SignalConfig, derive_signals, rated_sample_ids, sample_rewards
 
@@ -196,7 +196,7 @@ class OnlineLearner:
             result.status = names.CYCLE_EMPTY
             return result
         practice, stats = self.practice().samples(serving_version, serving, cycle_id)
-        if self.config.practice.tasks > 0:
+        if stats.tasks:
             result.practice = stats.to_json()
         trainer = self._trainer(serving)
         before = _token_logprobs(trainer, samples)
@@ -335,11 +335,8 @@ class OnlineLearner:
             r = rewards.get(row["id"], 0.0)
             if r == 0.0 or row["policy_version"] < oldest or not row["completion_ids"]:
                 continue
-            out.append(_Sample(prompt_ids=row["prompt_ids"], completion_ids=row["completion_ids"],
-                               logprobs=row["logprobs"], routes=row["routes"],
-                               version=row["policy_version"], advantage=r - baseline,
-                               session_id=row["session_id"], advantage_reward=r,
-                               temperature=row["temperature"], forced=tuple(row["forced"])))
+            out.append(_Sample(**vars(train_sample(row, r - baseline, row["session_id"])),
+                               advantage_reward=r))
         return out
 
     def baseline(self) -> float:
