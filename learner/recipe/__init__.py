@@ -38,6 +38,7 @@ DEFAULT_SHAPE = ModelShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_he
                            head_dim=64, num_experts=8, top_k=2, expert_size=256,
                            rope_theta=1e8, tie_embeddings=True, previous_token_head=True,
                            induction_head=True, induction_ngram=2)
+TASK_REPOS = 6000   # solved training repositories in the pre-training text (and the tokenizer's)
 
 
 def default_recipe() -> RecipeConfig:
@@ -45,11 +46,15 @@ def default_recipe() -> RecipeConfig:
     top-2, vocab 8192; pre-trained on solved task repositories and library code, then SFT on
     oracle episodes in the compact harness, then GRPO."""
     return RecipeConfig(
+        # the tokenizer counts the text pre-training reads, the task repositories included:
+        # their identifiers become one or two tokens (payments_above_count: 6 -> 3), so the
+        # names an episode must copy are shorter token sequences
+        tokenizer=TokenizerConfig(task_repos=TASK_REPOS),
         pretrain=PretrainConfig(
             shape=DEFAULT_SHAPE,
             train=LMConfig(steps=20000, lr=2e-3, warmup=30, max_seconds=1800, fit_to_time=True,
                            checkpoint_every=50, log_every=10),
-            corpus_bytes=8_000_000, task_repos=6000, seq_len=1024, batch_size=16,
+            corpus_bytes=8_000_000, task_repos=TASK_REPOS, seq_len=1024, batch_size=16,
             repeat_share=0.2, copy_share=0.4, eval_windows=16, eval_every=100),
         sft=SFTConfig(
             train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=3300,

@@ -43,6 +43,9 @@ class TokenizerConfig:
     heldout_percent: int = 2        # share of files (by path hash) kept out for perplexity
     max_file_bytes: int = 400_000   # larger files (generated tables, data) are skipped
     pat_str: str = DEFAULT_PAT_STR  # pre-tokenizer regex (tiktoken dialect)
+    task_repos: int = 0             # solved simulated training repositories counted beside
+                                    # the library code (`task_corpus`, as pre-training adds)
+    task_seed: int = 0              # ... drawn with this seed
 
 
 # -- corpus -------------------------------------------------------------------------------------
@@ -207,12 +210,16 @@ def save_tokenizer(tok: Tokenizer, directory: Path, chat_template: str) -> Path:
 
 
 def run(out: Path, config: TokenizerConfig, files: list[tuple[str, Path]] | None = None) -> dict:
-    """Train the tokenizer on the train split of the corpus; write it to `out`; return metrics."""
+    """Train the tokenizer on the train split of the corpus (and `config.task_repos` solved
+    task repositories); write it to `out`; return metrics."""
     from agent_runtime.model.chat_template import COMPACT_CHAT_TEMPLATE
 
     files = files if files is not None else corpus_files(max_file_bytes=config.max_file_bytes)
     train = [(n, p) for n, p in files if not is_heldout(n, config.heldout_percent)]
     texts = [t for _, t in read_texts(train, config.train_bytes)]
+    if config.task_repos:
+        from learner.recipe.task_corpus import repo_texts
+        texts += [t for _, t in repo_texts(config.task_repos, seed=config.task_seed)]
     counts = word_counts(texts, config.pat_str)
     n_merges = config.vocab_size - 256 - len(SPECIAL_TOKENS) - len(MARKER_TOKENS)
     ranks = train_bpe(counts, n_merges)
