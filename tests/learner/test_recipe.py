@@ -500,6 +500,28 @@ def test_tokenizer_stage_trains_on_train_files_and_measures_heldout(tmp_path):
     assert metrics["vocab_size"] == 400 and 1.5 < metrics["heldout_bytes_per_token"] < 6
     assert load_tokenizer(tmp_path / "tok").decode(load_tokenizer(tmp_path / "tok").encode(CODE[:500])) == CODE[:500]
 
+def test_tokenizer_counting_task_repositories_gives_their_identifiers_fewer_tokens(tmp_path):
+    """The default recipe's tokenizer also counts the solved task repositories pre-training
+    reads, so the names an episode copies are shorter token sequences."""
+    from learner import tasks as sim
+    src = tmp_path / "src"
+    src.mkdir()
+    files = []
+    for i in range(100):
+        path = src / f"mod{i}.py"
+        path.write_text(CODE[i * 400:(i + 1) * 400] or "pass\n")
+        files.append((f"stdlib/mod{i}.py", path))
+    sizes, toks = {}, {}
+    for repos in (0, 12):
+        config = ts.TokenizerConfig(vocab_size=600, train_bytes=40_000, task_repos=repos, task_seed=1)
+        sizes[repos] = ts.run(tmp_path / f"tok{repos}", config, files)["train_bytes"]
+        toks[repos] = load_tokenizer(tmp_path / f"tok{repos}")
+    names = {q.plural for t in sim.generate("train", 12, seed=1)
+             for d in sim.vocab.DOMAINS if d.key == t.meta.get("domain") for q in d.quantities}
+    assert sizes[12] > sizes[0] and names
+    cost = {r: sum(len(toks[r].encode(n)) for n in names) for r in toks}
+    assert cost[12] < cost[0], cost
+
 
 def test_solved_task_repositories_pass_their_hidden_tests(tmp_path):
     """The pre-training text is the repositories as solved: applying the oracle's edits in
