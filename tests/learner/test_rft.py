@@ -1,0 +1,112 @@
+"""Expert iteration (`learner.recipe.rft`): only honest passes become training sequences, the
+way the model wrote them; each round fine-tunes the last round's model and resumes."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent_runtime.model import load_model, load_tokenizer, save_model
+from agent_runtime.model.chat_template import COMPACT_CHAT_TEMPLATE, ChatTemplate
+from learner.recipe import tokenizer_stage as ts
+from learner.recipe.lm import LMConfig
+from learner.recipe.pretrain import ModelShape, copy_tokenizer, init_model
+from learner.recipe.rft import RFTConfig, collect, run
+from learner.recipe.sft import RecordingOracle, load_sequences, save_sequences
+from learner.tasks import generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                  num_experts=8, top_k=2, expert_size=32, max_position=8192)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    texts = [t.instruction + "".join(c for c in t.files.values() if isinstance(c, str))
+             for t in generate("train", 12, seed=1)]
+    tok_dir = ts.save_tokenizer(ts.build_tokenizer(ts.train_bpe(ts.word_counts(texts), 300)),
+                                tmp_path_factory.mktemp("tok"), COMPACT_CHAT_TEMPLATE)
+    out = tmp_path_factory.mktemp("model")
+    save_model(init_model(TINY, load_tokenizer(tok_dir), 0), out)
+    copy_tokenizer(tok_dir, out)
+    return out
+
+
+TASKS = dict(tasks=3, task_seed=7)          # the round's tasks: generate("train", 3, seed=7)
+
+
+def oracles(model_dir: Path, wrong: str | None = None):
+    """Each task's recording oracle (rendering with the model's tokenizer), except that task
+    `wrong` gets the first task's oracle, whose plan does not solve it; and the tasks seen."""
+    tok, template = load_tokenizer(model_dir), ChatTemplate.from_pretrained(model_dir)
+    first = generate("train", TASKS["tasks"], seed=TASKS["task_seed"])[0]
+    seen: list[str] = []
+
+    def policy_for(task):
+        seen.append(task.id)
+        return RecordingOracle(first if task.id == wrong else task, tok, template, 4096)
+    return policy_for, seen
+
+
+def config(**kw) -> RFTConfig:
+    base = RFTConfig(rounds=1, concurrency=1, max_steps=30, sandbox="auto", **TASKS)
+    return replace(base, sft=replace(base.sft, train=LMConfig(
+        steps=2, lr=1e-3, warmup=1, weight_decay=0.0, checkpoint_every=1, log_every=1,
+        head_on_mask=True)), **kw)
+
+
+def test_only_honest_passes_become_sequences_as_written(model_dir, tmp_path):
+    tasks = generate("train", TASKS["tasks"], seed=TASKS["task_seed"])
+    policy_for, seen = oracles(model_dir, wrong=tasks[1].id)
+    got = collect(model_dir, tmp_path / "own.npz", config(), 0, policy_for)
+    assert seen == [t.id for t in tasks]
+    assert got["tasks"] == 3 and got["passed"] == 2
+    assert sum(int(v.split("/")[0]) for v in got["families"].values()) == 2
+    seqs = load_sequences(tmp_path / "own.npz")
+    assert len(seqs) == got["sequences"] >= 2
+    tok = load_tokenizer(model_dir)
+    trained = [tok.decode([int(t) for t, m in zip(ids, mask) if m]) for ids, mask in seqs]
+    whole = [tok.decode([int(t) for t in ids]) for ids, _ in seqs]
+    # the completions are trained on (each ends its turn), the tool results are context
+    assert all("<tool_call>" in t and "<tool_response>" not in t for t in trained)
+    assert sum(t.count('"finish"') for t in trained) == 2
+    assert any("<tool_response>" in w for w in whole)
+    # the failed task's episode is nowhere: its instruction is in no sequence
+    assert not any(tasks[1].instruction[:40] in w for w in whole)
+    assert all(any(t.instruction[:40] in w for w in whole) for t in (tasks[0], tasks[2]))
+
+
+def test_a_round_fine_tunes_on_own_passes_mixed_with_oracle_data_and_resumes(model_dir, tmp_path):
+    oracle = tmp_path / "oracle.npz"
+    save_sequences(oracle, [([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 1, 1])] * 9)
+    policy_for, seen = oracles(model_dir)
+    out = tmp_path / "rft"
+    result = run(model_dir, out, config(oracle_mix=2.0), oracle, log=lambda row: None,
+                 policy_for=policy_for)
+    (r0,) = result["rounds"]
+    assert r0["collect"]["passed"] == 3 and r0["train"]["steps"] == 2
+    own = r0["collect"]["sequences"]
+    assert r0["oracle_sequences"] == min(9, 2 * own)
+    assert len(load_sequences(out / "round-0" / "data.npz")) == own + r0["oracle_sequences"]
+    before, after = load_model(model_dir), load_model(out / "model")
+    assert any((a != b).any() for a, b in zip(before.state_dict().values(),
+                                              after.state_dict().values()))
+    assert load_tokenizer(out / "model").encode("x = 1") == load_tokenizer(model_dir).encode("x = 1")
+    # a rerun finds the round done: no episode runs again, the same model comes out
+    seen.clear()
+    again = run(model_dir, out, config(oracle_mix=2.0), oracle, log=lambda row: None,
+                policy_for=policy_for)
+    assert seen == [] and again["rounds"] == result["rounds"]
+
+
+def test_a_round_with_no_pass_keeps_the_model(model_dir, tmp_path):
+    tok, template = load_tokenizer(model_dir), ChatTemplate.from_pretrained(model_dir)
+    other = generate("train", 1, seed=99)[0]
+    out = tmp_path / "rft"
+    result = run(model_dir, out, config(tasks=1), log=lambda row: None,
+                 policy_for=lambda task: RecordingOracle(other, tok, template, 4096))
+    assert result["rounds"][0]["collect"]["passed"] == 0 and "train" not in result["rounds"][0]
+    before, after = load_model(model_dir), load_model(out / "model")
+    assert all((a == b).all() for a, b in zip(before.state_dict().values(),
+                                              after.state_dict().values()))
