@@ -111,13 +111,13 @@ def behaviour(rated: list[tuple]) -> dict:
 
 
 def load(args, state=None, version: int = 0):
-    from agent_runtime.policies.batching import BatchingPolicy
+    from agent_runtime.policies.batching import shared
     from agent_runtime.policies.engine import EnginePolicy
     engine = EnginePolicy.load(args.model, temperature=args.temperature, dtype="bfloat16",
                                max_new_tokens=args.max_new_tokens, version=version)
     if state is not None:
-        engine.swap_state(lambda sd: [sd[k].copy_(v) for k, v in state.items()], version)
-    return BatchingPolicy(engine) if args.concurrency > 1 else engine
+        engine.load_state(state, version)
+    return shared(engine, args.concurrency)
 
 
 def measure(args, state, version, store, gate) -> dict:

@@ -198,7 +198,7 @@ class Gate:
         from learner.rollout import run_episodes
         from learner.tasks import generate
         policy = self._load()
-        self._engine.swap_state(lambda sd: [sd[k].copy_(v) for k, v in state.items()], 0)
+        self._engine.load_state(state, 0)
         tasks = generate("heldout", c.n_tasks, seed=c.seed)
         with SessionStore(self.state_dir / "gate") as store:
             episodes = run_episodes(lambda _t: policy, tasks, store, concurrency=c.concurrency,
@@ -221,14 +221,14 @@ class Gate:
 
     def _load(self) -> Any:
         if self._policy is None:
-            from agent_runtime.policies.batching import BatchingPolicy
+            from agent_runtime.policies.batching import shared
             from agent_runtime.policies.engine import EnginePolicy
             # greedy; seed 0 makes the engine's loop fallback (a call that looped is
             # sampled again) draw the same for serving and candidate alike
             engine = EnginePolicy.load(self.model_path, temperature=0.0, dtype="bfloat16",
                                        max_new_tokens=self.config.max_new_tokens, seed=0)
             self._engine = engine
-            self._policy = BatchingPolicy(engine) if self.config.concurrency > 1 else engine
+            self._policy = shared(engine, self.config.concurrency)
         return self._policy
 
     # -- the serving version's numbers, once per version -----------------------------------

@@ -91,7 +91,7 @@ class Practice:
         from learner.rollout import run_episodes
         from learner.tasks import generate
         policy = self._load()
-        self._engine.swap_state(lambda sd: [sd[k].copy_(v) for k, v in state.items()], version)
+        self._engine.load_state(state, version)
         tasks = generate("train", c.tasks, seed=c.seed + cycle)
         with SessionStore(self.state_dir / PRACTICE_DIR) as store:
             episodes = run_episodes(lambda _t: policy, tasks, store, concurrency=c.concurrency,
@@ -103,13 +103,12 @@ class Practice:
 
     def _load(self) -> Any:
         if self._policy is None:
-            from agent_runtime.policies.batching import BatchingPolicy
+            from agent_runtime.policies.batching import shared
             from agent_runtime.policies.engine import EnginePolicy
             self._engine = EnginePolicy.load(self.model_path, temperature=self.config.temperature,
                                              dtype="bfloat16",
                                              max_new_tokens=self.config.max_new_tokens)
-            self._policy = (BatchingPolicy(self._engine) if self.config.concurrency > 1
-                            else self._engine)
+            self._policy = shared(self._engine, self.config.concurrency)
         return self._policy
 
 

@@ -50,6 +50,12 @@ class BatchStats:
         return self.calls / self.batches if self.batches else 0.0
 
 
+def shared(policy: Any, concurrency: int) -> Any:
+    """`policy` for `concurrency` agent threads: wrapped in a `BatchingPolicy` when more than
+    one, so their calls decode together."""
+    return BatchingPolicy(policy) if concurrency > 1 else policy
+
+
 class BatchingPolicy:
     """A thread-safe `Policy` whose concurrent `complete()` calls run as batches."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import codecs
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -220,6 +220,11 @@ class EnginePolicy:
             self.prefix_cache.clear()            # its keys and values are the old weights'
             update(self.model.state_dict())
             self.version = version
+
+    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy the full state `state` (a learner's published weights) into the model, as
+        `version`, between model calls (`swap_state`)."""
+        self.swap_state(lambda sd: [sd[k].copy_(v) for k, v in state.items()], version)
 
 
 class _TextStream:

@@ -77,12 +77,12 @@ def collect(model_dir: Path, out: Path, config: RFTConfig, round_: int,
     from learner.tasks import generate
 
     if policy_for is None:
-        from agent_runtime.policies.batching import BatchingPolicy
+        from agent_runtime.policies.batching import shared
         from agent_runtime.policies.engine import EnginePolicy
         engine = EnginePolicy.load(str(model_dir), temperature=config.temperature,
                                    dtype="bfloat16", max_new_tokens=config.max_new_tokens)
-        shared = BatchingPolicy(engine) if config.concurrency > 1 else engine
-        policy_for = lambda _task: shared                     # noqa: E731
+        policy = shared(engine, config.concurrency)
+        policy_for = lambda _task: policy                     # noqa: E731
     eos = load_tokenizer(model_dir).special_tokens["<|im_end|>"]
     tasks = generate("train", config.tasks, seed=config.task_seed + round_)
     t0 = time.time()
