@@ -488,29 +488,29 @@ def test_oracle_summary_has_the_requested_sections_and_next_edit():
     assert text.endswith("Fixing it.")
 
 
-def test_tokenizer_stage_trains_on_train_files_and_measures_heldout(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
+def code_files(folder: Path, n: int) -> list[tuple[str, Path]]:
+    """`n` small source files cut from CODE, named as the corpus names them."""
+    folder.mkdir()
     files = []
-    for i in range(200):
-        path = src / f"mod{i}.py"
+    for i in range(n):
+        path = folder / f"mod{i}.py"
         path.write_text(CODE[i * 400:(i + 1) * 400] or "pass\n")
         files.append((f"stdlib/mod{i}.py", path))
+    return files
+
+
+def test_tokenizer_stage_trains_on_train_files_and_measures_heldout(tmp_path):
+    files = code_files(tmp_path / "src", 200)
     metrics = ts.run(tmp_path / "tok", ts.TokenizerConfig(vocab_size=400, train_bytes=60_000), files)
     assert metrics["vocab_size"] == 400 and 1.5 < metrics["heldout_bytes_per_token"] < 6
     assert load_tokenizer(tmp_path / "tok").decode(load_tokenizer(tmp_path / "tok").encode(CODE[:500])) == CODE[:500]
+
 
 def test_tokenizer_counting_task_repositories_gives_their_identifiers_fewer_tokens(tmp_path):
     """The default recipe's tokenizer also counts the solved task repositories pre-training
     reads, so the names an episode copies are shorter token sequences."""
     from learner import tasks as sim
-    src = tmp_path / "src"
-    src.mkdir()
-    files = []
-    for i in range(100):
-        path = src / f"mod{i}.py"
-        path.write_text(CODE[i * 400:(i + 1) * 400] or "pass\n")
-        files.append((f"stdlib/mod{i}.py", path))
+    files = code_files(tmp_path / "src", 100)
     sizes, toks = {}, {}
     for repos in (0, 12):
         config = ts.TokenizerConfig(vocab_size=600, train_bytes=40_000, task_repos=repos, task_seed=1)
