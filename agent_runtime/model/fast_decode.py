@@ -48,14 +48,15 @@ def extension() -> Any:
         if _ext is None and _failed is None:
             try:
                 from torch.utils.cpp_extension import load
-                log.info("building the C++ decode step (once per machine)")
                 # -march=native: the few-row matmul kernel vectorizes for this CPU; the name
                 # keeps builds for different CPU capabilities apart in a shared cache folder.
                 # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is
                 # compiled into this module; without the flag the kernel ran on one thread
-                cap = torch.backends.cpu.get_cpu_capability().lower()
-                name = f"apprentice_decode_{cap}_omp"
+                name = extension_name()
                 folder = build_directory(name)
+                if not built(folder, name):        # the first decode would sit silent
+                    log.warning("compiling the C++ decode step for this machine: once, "
+                                "1-3 minutes (APPRENTICE_FAST_DECODE=0 skips it)")
                 with build_lock(folder):
                     _ext = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
                                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -66,6 +67,11 @@ def extension() -> Any:
         return _ext
 
 
+def extension_name() -> str:
+    """The build's name: one per CPU capability, so a shared cache keeps them apart."""
+    return f"apprentice_decode_{torch.backends.cpu.get_cpu_capability().lower()}_omp"
+
+
 def build_directory(name: str) -> Path:
     """Where extension `name` is built: under torch's extensions folder
     ($TORCH_EXTENSIONS_DIR, else torch's default), one folder per Python and torch version."""
@@ -73,6 +79,12 @@ def build_directory(name: str) -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return (Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}"
             f"_torch{torch.__version__}" / name)
+
+
+def built(folder: Path, name: str) -> bool:
+    """Whether extension `name` has been compiled in `folder` before (torch then only loads
+    it, unless its source changed)."""
+    return (folder / f"{name}.so").is_file()
 
 
 @contextlib.contextmanager

@@ -135,3 +135,11 @@ def test_builds_go_under_the_torch_extensions_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     folder = fast_decode.build_directory("x")
     assert folder.parent.parent == tmp_path and torch.__version__ in folder.parent.name
+
+
+def test_a_first_build_is_announced_and_a_compiled_one_is_not(tmp_path):
+    assert not fast_decode.built(tmp_path, "x")
+    if fast_decode.extension() is None:
+        pytest.skip(f"the extension cannot be built here: {fast_decode._failed}")
+    name = fast_decode.extension_name()
+    assert fast_decode.built(fast_decode.build_directory(name), name)
