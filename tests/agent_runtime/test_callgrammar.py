@@ -74,6 +74,8 @@ def test_calls_that_can_run_are_accepted(grammar, text):
     (call("read_file", path="pkg"), '"pkg'),                                  # a directory
     (call("list_files", path="README.md"), '"path": "'),                      # not a directory
     (call("read_file", path="../x"), '".'),                                   # outside
+    (call("read_file", path="pkg//mod.py"), '"pkg/'),                        # empty step
+    (call("list_files", path="pkg//"), '"pkg/'),
     (call("edit_file", path="pkg/mod.py", old="return x - 1", new="y"), "return x "),
     (call("edit_file", path="pkg/mod.py", old="x + 1", new="x + 1"), '"new": "x + 1'),
     ('<tool_call>\n{"name": "edit_file", "arguments": {"path": "README.md", "new": "y"}}',
