@@ -57,6 +57,10 @@ def test_plans_read_edit_check_and_finish_with_builtin_tools():
                        and RENAME_RE.fullmatch(c["arguments"]["command"]))]
         assert changes, task.id
         assert task.family != "rename_symbol" or "edit_file" not in calls, task.id
+        if task.family == "rename_symbol":      # checked by the suite, not a made-up caller
+            checks = [c["arguments"]["command"] for t in turns for c in t["calls"]
+                      if c["name"] == "run_command"][1:]
+            assert checks == ["python -m pytest -q"], (task.id, checks)
         assert "run_command" in calls[changes[0] + 1:], task.id      # checks after changing
         assert len(turns) + 1 >= 3
 
