@@ -173,12 +173,20 @@ async def test_f1_and_question_mark_open_the_keys_and_the_footer_shows_quit(work
     assert "ctrl+q" in footer_keys and "f1" in footer_keys
 
 
+async def approval_text(pilot, app) -> str:
+    """The approval dialog's text, once every part of it is mounted (the screen is the
+    active one a few messages before its last children are: a loaded machine showed only
+    the title)."""
+    await wait_for(pilot, lambda: isinstance(app.screen, ApprovalScreen)
+                   and bool(app.screen.query("#no")), what="approval")
+    return " ".join(plain(w) for w in app.screen.query("Static"))
+
+
 async def test_the_approval_prompt_shows_the_edit_as_a_diff_of_the_file(workspace):
     app = make_app(workspace, [EDIT, FINISH])
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "fix add")
-        await wait_for(pilot, lambda: isinstance(app.screen, ApprovalScreen), what="approval")
-        shown = " ".join(plain(w) for w in app.screen.query("Static"))
+        shown = await approval_text(pilot, app)
         await pilot.press("n")
         await until_idle(pilot)
     assert "--- a/calc.py" in shown and "+++ b/calc.py" in shown and "@@ -" in shown
@@ -203,8 +211,7 @@ async def test_without_bubblewrap_a_command_asks_even_in_full_auto(workspace, mo
     app = make_app(workspace, [TEST, FINISH], approval="full-auto")
     async with app.run_test(size=SIZE) as pilot:
         await send(pilot, "run the tests")
-        await wait_for(pilot, lambda: isinstance(app.screen, ApprovalScreen), what="approval")
-        shown = " ".join(plain(w) for w in app.screen.query("Static"))
+        shown = await approval_text(pilot, app)
         assert "No sandbox: this command runs with your permissions" in shown
         await pilot.press("y")
         await until_idle(pilot)
