@@ -112,9 +112,15 @@ class Practice:
         return self._policy
 
 
+def honest_passes(store: Any, episodes: list[Any]) -> list[tuple[Any, list[dict]]]:
+    """(episode, its recorded model calls with a completion) of each episode that passed and
+    was not flagged as cheating."""
+    return [(e, [s for s in store.samples(e.session_id) if s["completion_ids"]])
+            for e in episodes if e.passed and not e.cheated]
+
+
 def passing_samples(store: Any, episodes: list[Any], advantage: float) -> list[TrainSample]:
     """Every model call of the episodes that passed and were not flagged as cheating, as
     samples with `advantage` (calls with no completion skipped)."""
     return [train_sample(s, advantage, e.session_id)
-            for e in episodes if e.passed and not e.cheated
-            for s in store.samples(e.session_id) if s["completion_ids"]]
+            for e, samples in honest_passes(store, episodes) for s in samples]

@@ -73,6 +73,7 @@ def collect(model_dir: Path, out: Path, config: RFTConfig, round_: int,
     from agent_runtime.model import load_tokenizer
     from agent_runtime.names import ORIGIN_ROLLOUT
     from agent_runtime.store import SessionStore
+    from learner.practice import honest_passes
     from learner.rollout import run_episodes
     from learner.tasks import generate
 
@@ -92,13 +93,13 @@ def collect(model_dir: Path, out: Path, config: RFTConfig, round_: int,
         episodes = run_episodes(policy_for, tasks, store, concurrency=config.concurrency,
                                 sandbox=config.sandbox, origin=ORIGIN_ROLLOUT,
                                 agent_config=AgentConfig(max_steps=config.max_steps))
+        passes = honest_passes(store, episodes)
+        for ep, samples in passes:
+            seqs.extend(merge_samples(samples, eos)[0])
+        passed = {ep.session_id for ep, _ in passes}
         for task, ep in zip(tasks, episodes):
-            ok = ep.passed and not ep.cheated
             done = families.setdefault(task.family, [0, 0])
-            done[0], done[1] = done[0] + ok, done[1] + 1
-            if ok:
-                samples = [s for s in store.samples(ep.session_id) if s["completion_ids"]]
-                seqs.extend(merge_samples(samples, eos)[0])
+            done[0], done[1] = done[0] + (ep.session_id in passed), done[1] + 1
     save_sequences(out, seqs)
     return {"tasks": len(tasks), "passed": sum(p for p, _ in families.values()),
             "families": {f: f"{p}/{n}" for f, (p, n) in sorted(families.items())},
@@ -113,7 +114,7 @@ def mixed(own: Path, oracle: Path | None, share: float, seed: int, out: Path) ->
     if oracle is not None and share > 0 and seqs:
         pool = load_sequences(oracle)
         extra = random.Random(seed).sample(pool, min(len(pool), round(share * len(seqs))))
-    save_sequences(out, [(list(map(int, i)), list(map(int, m))) for i, m in seqs + extra])
+    save_sequences(out, seqs + extra)
     return len(extra)
 
 
@@ -148,10 +149,9 @@ def run(start_dir: Path, out: Path, config: RFTConfig, oracle: Path | None = Non
             trained = sft_run(current, data, folder, sft_cfg, log)
             metrics["train"] = {k: trained[k] for k in ("sequences", "seconds", "steps",
                                                         "final_loss")}
-            current = folder / "model"
         else:                                  # nothing passed: the model stays as it was
             shutil.copytree(current, folder / "model", dirs_exist_ok=True)
-            current = folder / "model"
+        current = folder / "model"
         done.write_text(json.dumps(metrics, indent=1))
         rounds.append(metrics)
     if (out / "model").exists():
