@@ -98,6 +98,38 @@ def test_the_fused_experts_are_bitwise_the_expert_by_expert_loops(built, monkeyp
             assert torch.equal(loops.view(torch.int16), fused.view(torch.int16)), (rows, top_k)
 
 
+@pytest.mark.parametrize("kv,group,dim,length", [(2, 2, 64, 300), (4, 4, 64, 17), (4, 1, 128, 1),
+                                                   (1, 12, 32, 100), (2, 3, 48, 33)])
+def test_decode_attention_is_attention_and_a_row_alone_is_a_row_in_a_batch(built, kv, group,
+                                                                           dim, length):
+    """`decode_attention` (a decode step's attention in bf16) against float64 attention
+    over the cache's first `length` columns, masked positions holding NaN keys and values
+    that must not leak; within bf16's rounding of the output (what
+    `scaled_dot_product_attention` in bf16 reaches), and each row's bits the same alone as
+    in a batch of five."""
+    import torch.nn.functional as F
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(length)
+    B, cols, scale = 5, length + 7, dim ** -0.5
+    q = torch.randn(B, kv, group, dim, generator=g).bfloat16()
+    k_cache = torch.randn(B, kv, cols, dim, generator=g).bfloat16()
+    v_cache = torch.randn(B, kv, cols, dim, generator=g).bfloat16()
+    mask = torch.rand(B, 1, 1, length, generator=g) > 0.3
+    mask[..., -1] = True                                   # a row's own new token
+    hidden = ~mask[:, 0, 0][:, None, :, None].expand(B, kv, length, dim)
+    k_cache[:, :, :length][hidden] = float("nan")
+    v_cache[:, :, :length][hidden] = float("nan")
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    out = ext.decode_attention(q, k, v, mask, scale)
+    ref = F.scaled_dot_product_attention(q.double(), k.double().nan_to_num(),
+                                         v.double().nan_to_num(), attn_mask=mask, scale=scale)
+    assert not out.isnan().any()
+    assert (out.double() - ref).abs().max() <= 2 ** -8 * ref.abs().max() + 1e-3
+    for b in range(B):
+        alone = ext.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1], scale)
+        assert torch.equal(alone.view(torch.int16), out[b:b + 1].view(torch.int16))
+
+
 def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path):
     """torch's `lock` file, left by a build that was killed, is removed under our flock (the
     next build would otherwise wait on it forever); while another process's build holds the

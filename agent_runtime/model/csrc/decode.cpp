@@ -60,14 +60,14 @@ inline float lane_sum(__m512 a) {  // the same tree in registers
 
 // The NB x M dot products of `dot_rows` (fp32 lanes, in registers or an array) summed by
 // `lane_sum`, biased and rounded once into y.
-template <int M, int NB, class Lanes>
-inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, at::BFloat16* y,
+template <int M, int NB, class Lanes, class Out>
+inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, Out* y,
                        int64_t N) {
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
       float s = lane_sum(acc[j][m]);
       if (bias) s += bias[n + j];
-      y[m * N + n + j] = at::BFloat16(s);
+      y[m * N + n + j] = Out(s);
     }
 }
 
@@ -76,9 +76,9 @@ inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, 
 using XRow = uint16_t;  // x as stored (bf16)
 // AVX512-BF16: one instruction multiplies 16 pairs of bf16 and adds them to 16 fp32 lanes (lane
 // l takes k = 32c + 2l and 32c + 2l + 1), reading x and w as stored, without conversion.
-template <int M, int NB>
+template <int M, int NB, class Out>
 inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
-                     const float* bias, at::BFloat16* y, int64_t N) {
+                     const float* bias, Out* y, int64_t N) {
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
@@ -101,9 +101,9 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <int M, int NB>
+template <int M, int NB, class Out>
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
-                     at::BFloat16* y, int64_t N) {
+                     Out* y, int64_t N) {
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
@@ -120,9 +120,9 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 }
 #else
 using XRow = float;
-template <int M, int NB>
+template <int M, int NB, class Out>
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
-                     at::BFloat16* y, int64_t N) {
+                     Out* y, int64_t N) {
   float acc[NB][M][kLanes] = {};
   for (int64_t k = 0; k < K; k += kLanes) {
     const int64_t width = std::min<int64_t>(kLanes, K - k);
@@ -136,6 +136,91 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 }
 #endif
 
+// s[t] = exp(s[t] - mx) for t < n (exp(-inf) = 0); returns their sum, in 16 lanes (lane
+// t % 16, increasing t) summed by `lane_sum`'s tree.
+#if defined(__AVX512F__)
+inline __m512 exp_ps(__m512 x) {   // x <= 0: 2^n * p(r), r = x - n ln 2, |error| ~1 ulp
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));   // below e^-87: 0
+}
+
+inline float exp_lanes(float* s, int64_t n, float mx) {
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(mx);
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const __mmask16 mask = n - t >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_mask_loadu_ps(m, mask, s + t), m));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+  }
+  return lane_sum(sum);
+}
+
+// acc[g, d0:d0+16] = sum over attended t, in increasing t, of p[g * S + t] * v[t, d0:...]
+// for the GN rows g0.. of acc, in registers.
+template <int GN>
+inline void values_block(const float* p, int64_t S, const uint16_t* v, int64_t D,
+                         const bool* m, int64_t d, float* acc) {
+  const __mmask16 mask = D - d >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
+  __m512 a[GN];
+  for (int j = 0; j < GN; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < S; ++t) {
+    if (m && !m[t]) continue;
+    const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, v + t * D + d)), 16));
+    for (int j = 0; j < GN; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * S + t]), vv, a[j]);
+  }
+  for (int j = 0; j < GN; ++j) _mm512_mask_storeu_ps(acc + j * D + d, mask, a[j]);
+}
+
+// acc [G, D] = p [G, S] @ v [S, D] over the attended positions (bf16 values, fp32 sums).
+inline void weighted_values(int64_t G, const float* p, int64_t S, const uint16_t* v, int64_t D,
+                            const bool* m, float* acc) {
+  for (int64_t d = 0; d < D; d += kLanes)
+    for (int64_t g = 0; g < G; g += 4) {
+      const float* pg = p + g * S;
+      float* ag = acc + g * D;
+      switch (std::min<int64_t>(4, G - g)) {
+        case 1: values_block<1>(pg, S, v, D, m, d, ag); break;
+        case 2: values_block<2>(pg, S, v, D, m, d, ag); break;
+        case 3: values_block<3>(pg, S, v, D, m, d, ag); break;
+        default: values_block<4>(pg, S, v, D, m, d, ag); break;
+      }
+    }
+}
+#else
+inline float exp_lanes(float* s, int64_t n, float mx) {
+  float lanes[kLanes] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    lanes[t % kLanes] += s[t];
+  }
+  return lane_sum(lanes);
+}
+
+inline void weighted_values(int64_t G, const float* p, int64_t S, const uint16_t* v, int64_t D,
+                            const bool* m, float* acc) {
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t t = 0; t < S; ++t) {
+    if (m && !m[t]) continue;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        acc[g * D + d] = std::fma(p[g * S + t], bf16_to_float(v[t * D + d]), acc[g * D + d]);
+  }
+}
+#endif
+
 template <int M>
 constexpr int kBlock = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
 
@@ -145,17 +230,18 @@ at::Tensor as_xrows(const at::Tensor& x) {
 }
 
 // Outputs begin..end of y [M, N] = x [M, K] @ w [N, K]^T (+ b), on the calling thread.
-template <int M>
+template <int M, class Out>
 void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
-                at::BFloat16* y, int64_t begin, int64_t end) {
+                Out* y, int64_t begin, int64_t end) {
   constexpr int NB = kBlock<M>;
   int64_t n = begin;
   for (; n + NB <= end; n += NB) dot_rows<M, NB>(x, w, K, n, bias, y, N);
   for (; n < end; ++n) dot_rows<M, 1>(x, w, K, n, bias, y, N);
 }
 
+template <class Out>
 void rows_range_any(int64_t M, const XRow* x, const uint16_t* w, int64_t N, int64_t K,
-                    const float* bias, at::BFloat16* y, int64_t begin, int64_t end) {
+                    const float* bias, Out* y, int64_t begin, int64_t end) {
   switch (M) {
     case 1: rows_range<1>(x, w, N, K, bias, y, begin, end); break;
     case 2: rows_range<2>(x, w, N, K, bias, y, begin, end); break;
@@ -314,6 +400,75 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
+// Attention of one new token per row (a decode step) over its cached keys and values, in
+// bf16: q [B, KV, G, D] (the G query heads that share kv head h), k and v [B, KV, S, D] (the
+// cache's first S columns: positions contiguous rows of D), mask [B, S] (true: attend) or
+// none; out [B, KV, G, D]. The scores are `rows_range`'s dot products (a query head is a row
+// of x, a cached key a row of w) kept in fp32, times `scale`; the softmax is fp32 (the max
+// subtracted, `exp_lanes`, summed by lanes and `lane_sum`); the values are summed in fp32 in
+// increasing position, divided by the sum once and rounded once. A row's bits depend only on
+// that row: not on B, the thread count or how the (row, kv head) pairs are split between
+// threads. At these sizes (a few heads over a few hundred positions) the CPU kernel of
+// `scaled_dot_product_attention` spent more on setup per (row, kv head) than on arithmetic.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, double scale) {
+  RECORD_FUNCTION("apprentice::decode_attention", std::vector<c10::IValue>({q, k}));
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "decode_attention: q, k, v bf16 [B, KV, ., D]");
+  const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), D = q.size(3), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == KV && k.size(3) == D && v.sizes() == k.sizes() &&
+              S >= 1, "decode_attention: k and v [B, KV, S, D]");
+  auto rows = [&](const at::Tensor& t) {     // each (row, kv head)'s positions: rows of D
+    return t.stride(3) == 1 && (S == 1 || t.stride(2) == D) ? t : t.contiguous();
+  };
+  const at::Tensor kc = rows(k), vc = rows(v);
+  auto qx = as_xrows(q);                                            // [B, KV, G, D]
+  at::Tensor mc;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->numel() == B * S, "decode_attention: a mask of B x S");
+    mc = mask->reshape({B, S}).to(at::kBool).contiguous();
+  }
+  auto out = at::empty({B, KV, G, D}, q.options());
+  const auto* qp = static_cast<const XRow*>(qx.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
+  const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t kb = kc.stride(0), kh = kc.stride(1), vb = vc.stride(0), vh = vc.stride(1);
+  const float sc = static_cast<float>(scale);
+  const int64_t work = std::max<int64_t>(1, 2 * G * S * D);        // multiply-adds of a pair
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  at::parallel_for(0, B * KV, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * S), acc(G * D), total(G);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / KV, h = job % KV;
+      const uint16_t* kj = kp + b * kb + h * kh;
+      const uint16_t* vj = vp + b * vb + h * vh;
+      const bool* mj = mp ? mp + b * S : nullptr;
+      for (int64_t g = 0; g < G; g += kRows)                        // scores[g, t] = q_g . k_t
+        rows_range_any(std::min(kRows, G - g), qp + (job * G + g) * D, kj, S, D, nullptr,
+                       scores.data() + g * S, 0, S);
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * S;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < S; ++t) {
+          s[t] = mj && !mj[t] ? -INFINITY : s[t] * sc;
+          mx = std::max(mx, s[t]);
+        }
+        total[g] = exp_lanes(s, S, mx);                 // s[t] = exp(s[t] - mx), their sum
+      }
+      weighted_values(G, scores.data(), S, vj, D, mj, acc.data());
+      at::BFloat16* oj = op + job * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.0f / total[g];
+        for (int64_t d = 0; d < D; ++d) oj[g * D + d] = at::BFloat16(acc[g * D + d] * inv);
+      }
+    }
+  });
+  return out;
+}
+
 namespace {
 
 
@@ -445,7 +600,10 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
     v_cache[l].slice(2, past, past + 1).copy_(vd);
     auto keys = k_cache_l.slice(2, 0, past + 1), values = v_cache[l].slice(2, 0, past + 1);
     at::Tensor out;
-    if (group > 1) {
+    if (dtype == at::kBFloat16) {           // as `Attention.forward` with the extension built
+      out = decode_attention(qd.reshape({B, kv_heads, group, D}), keys, values, mask, scale)
+                .reshape({B, 1, -1});
+    } else if (group > 1) {
       out = at::scaled_dot_product_attention(qd.reshape({B, kv_heads, group, D}), keys, values,
                                              mask, 0.0, false, scale);
       out = out.reshape({B, 1, -1});
@@ -476,4 +634,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "one decode step of MoEModel");
   m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
   m.def("moe_rows", &moe_rows, "the routed experts of at most 8 rows of bf16");
+  m.def("decode_attention", &decode_attention, "one new token's attention per row, bf16");
 }
