@@ -157,13 +157,18 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
         group = a.num_heads // a.num_kv_heads
-        if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" \
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" \
                 and not (torch.is_grad_enabled() and q.requires_grad):
-            ext = _extension()        # decode in bf16: the C++ step's attention, bitwise
-            if ext is not None:
-                out = ext.decode_attention(q.reshape(B, a.num_kv_heads, group, a.head_dim),
-                                           k, v, mask, a.scale)
-                return self.o_proj(out.reshape(B, 1, -1).to(x.dtype))
+            ext = _extension()        # inference in bf16: row by row in C++ (the C++ decode
+            if ext is not None:       # step's attention too, so the two agree bitwise)
+                if T == 1:
+                    out = ext.decode_attention(q.reshape(B, a.num_kv_heads, group, a.head_dim),
+                                               k, v, mask, a.scale)
+                    return self.o_proj(out.reshape(B, 1, -1).to(x.dtype))
+                out = ext.attention_rows(q.reshape(B, a.num_kv_heads, group, T, a.head_dim),
+                                         k, v, mask, causal, a.scale)
+                out = out.reshape(B, a.num_heads, T, a.head_dim)
+                return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
         if T == 1 and group > 1:
             # Decode: the heads sharing a kv head become that head's queries, so keys and
             # values are read once instead of expanded per head (2x faster on CPU at 1.7k).

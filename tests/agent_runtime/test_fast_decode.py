@@ -130,6 +130,42 @@ def test_decode_attention_is_attention_and_a_row_alone_is_a_row_in_a_batch(built
         assert torch.equal(alone.view(torch.int16), out[b:b + 1].view(torch.int16))
 
 
+@pytest.mark.parametrize("kv,group,new,cols,dim", [(2, 2, 37, 50, 64), (1, 4, 20, 20, 64),
+                                                   (3, 3, 9, 40, 32)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_attention_is_attention_and_a_prompt_in_pieces_gets_the_same_bits(
+        built, kv, group, new, cols, dim, masked):
+    """`attention_rows` (bf16 inference attention of several new positions) against float64
+    attention, causal or under a padding mask; and each new position attended alone, over
+    only the keys before it (a prompt fed one token at a time, or in pieces through the
+    prefix cache), gets the bits it gets in the whole."""
+    import torch.nn.functional as F
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(cols)
+    B, past, scale = 2, cols - new, dim ** -0.5
+    q = torch.randn(B, kv, group, new, dim, generator=g).bfloat16()
+    k = torch.randn(B, kv, cols, dim, generator=g).bfloat16()
+    v = torch.randn(B, kv, cols, dim, generator=g).bfloat16()
+    pos = past + torch.arange(new)
+    causal = torch.arange(cols)[None] <= pos[:, None]                        # [new, cols]
+    mask = None
+    if masked:
+        pad = torch.rand(B, cols, generator=g) > 0.3
+        mask = causal[None] & pad[:, None] | (torch.arange(cols)[None] == pos[:, None])[None]
+    out = ext.attention_rows(q, k, v, mask, not masked, scale)
+    seen = (causal[None].expand(B, new, cols) if mask is None else mask)[:, None]
+    ref = F.scaled_dot_product_attention(
+        q.double().reshape(B, kv * group, new, dim), k.double(), v.double(), attn_mask=seen,
+        scale=scale, enable_gqa=True).reshape(out.shape)
+    assert (out.double() - ref).abs().max() <= 2 ** -8 * ref.abs().max() + 1e-3
+    for i in range(new):
+        end = past + i + 1
+        one = ext.attention_rows(q[:, :, :, i:i + 1].contiguous(), k[:, :, :end], v[:, :, :end],
+                                 None if mask is None else mask[:, i:i + 1, :end],
+                                 not masked, scale)
+        assert torch.equal(one.view(torch.int16), out[:, :, :, i:i + 1].view(torch.int16)), i
+
+
 def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path):
     """torch's `lock` file, left by a build that was killed, is removed under our flock (the
     next build would otherwise wait on it forever); while another process's build holds the

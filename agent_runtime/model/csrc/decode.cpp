@@ -167,35 +167,40 @@ inline float exp_lanes(float* s, int64_t n, float mx) {
   return lane_sum(sum);
 }
 
-// acc[g, d0:d0+16] = sum over attended t, in increasing t, of p[g * S + t] * v[t, d0:...]
-// for the GN rows g0.. of acc, in registers.
+// acc[j, d:d+16] = sum over t < S, in increasing t, of p[j * ps + t] * v[t, d:d+16] for the
+// GN rows j of acc (row stride D), in registers. A position every row gives weight 0 (masked:
+// exp(-inf)) is skipped, so what it holds (NaN in a cache column never written) never
+// reaches a row; adding a product with weight 0 would not change a sum's bits anyway, so a
+// row's result does not depend on the rows beside it.
 template <int GN>
-inline void values_block(const float* p, int64_t S, const uint16_t* v, int64_t D,
-                         const bool* m, int64_t d, float* acc) {
+inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* v, int64_t D,
+                         int64_t d, float* acc) {
   const __mmask16 mask = D - d >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
   __m512 a[GN];
   for (int j = 0; j < GN; ++j) a[j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < S; ++t) {
-    if (m && !m[t]) continue;
+    bool any = false;
+    for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
+    if (!any) continue;
     const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, v + t * D + d)), 16));
-    for (int j = 0; j < GN; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * S + t]), vv, a[j]);
+    for (int j = 0; j < GN; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * ps + t]), vv, a[j]);
   }
   for (int j = 0; j < GN; ++j) _mm512_mask_storeu_ps(acc + j * D + d, mask, a[j]);
 }
 
-// acc [G, D] = p [G, S] @ v [S, D] over the attended positions (bf16 values, fp32 sums).
-inline void weighted_values(int64_t G, const float* p, int64_t S, const uint16_t* v, int64_t D,
-                            const bool* m, float* acc) {
+// acc [R, D] = p [R, S] (row stride ps) @ v [S, D] (bf16 values, fp32 sums).
+inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
+                            int64_t D, float* acc) {
   for (int64_t d = 0; d < D; d += kLanes)
-    for (int64_t g = 0; g < G; g += 4) {
-      const float* pg = p + g * S;
-      float* ag = acc + g * D;
-      switch (std::min<int64_t>(4, G - g)) {
-        case 1: values_block<1>(pg, S, v, D, m, d, ag); break;
-        case 2: values_block<2>(pg, S, v, D, m, d, ag); break;
-        case 3: values_block<3>(pg, S, v, D, m, d, ag); break;
-        default: values_block<4>(pg, S, v, D, m, d, ag); break;
+    for (int64_t r = 0; r < R; r += 4) {
+      const float* pr = p + r * ps;
+      float* ar = acc + r * D;
+      switch (std::min<int64_t>(4, R - r)) {
+        case 1: values_block<1>(pr, ps, S, v, D, d, ar); break;
+        case 2: values_block<2>(pr, ps, S, v, D, d, ar); break;
+        case 3: values_block<3>(pr, ps, S, v, D, d, ar); break;
+        default: values_block<4>(pr, ps, S, v, D, d, ar); break;
       }
     }
 }
@@ -209,14 +214,16 @@ inline float exp_lanes(float* s, int64_t n, float mx) {
   return lane_sum(lanes);
 }
 
-inline void weighted_values(int64_t G, const float* p, int64_t S, const uint16_t* v, int64_t D,
-                            const bool* m, float* acc) {
-  std::fill(acc, acc + G * D, 0.0f);
+inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
+                            int64_t D, float* acc) {
+  std::fill(acc, acc + R * D, 0.0f);
   for (int64_t t = 0; t < S; ++t) {
-    if (m && !m[t]) continue;
-    for (int64_t g = 0; g < G; ++g)
+    bool any = false;
+    for (int64_t r = 0; r < R; ++r) any |= p[r * ps + t] != 0.0f;
+    if (!any) continue;
+    for (int64_t r = 0; r < R; ++r)
       for (int64_t d = 0; d < D; ++d)
-        acc[g * D + d] = std::fma(p[g * S + t], bf16_to_float(v[t * D + d]), acc[g * D + d]);
+        acc[r * D + d] = std::fma(p[r * ps + t], bf16_to_float(v[t * D + d]), acc[r * D + d]);
   }
 }
 #endif
@@ -400,73 +407,96 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
-// Attention of one new token per row (a decode step) over its cached keys and values, in
-// bf16: q [B, KV, G, D] (the G query heads that share kv head h), k and v [B, KV, S, D] (the
-// cache's first S columns: positions contiguous rows of D), mask [B, S] (true: attend) or
-// none; out [B, KV, G, D]. The scores are `rows_range`'s dot products (a query head is a row
-// of x, a cached key a row of w) kept in fp32, times `scale`; the softmax is fp32 (the max
-// subtracted, `exp_lanes`, summed by lanes and `lane_sum`); the values are summed in fp32 in
-// increasing position, divided by the sum once and rounded once. A row's bits depend only on
-// that row: not on B, the thread count or how the (row, kv head) pairs are split between
-// threads. At these sizes (a few heads over a few hundred positions) the CPU kernel of
-// `scaled_dot_product_attention` spent more on setup per (row, kv head) than on arithmetic.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale) {
-  RECORD_FUNCTION("apprentice::decode_attention", std::vector<c10::IValue>({q, k}));
+// Attention in bf16 without autograd (decode steps and prefill), row by row: q [B, KV, G, T,
+// D] (the G query heads that share kv head h, T new positions each), k and v [B, KV, S, D]
+// (the cache's first S columns; the T new ones last), mask [B, T, S] (true: attend) or none,
+// then causal (query t sees keys up to S - T + t) or not (all); out [B, KV, G, T, D]. For a
+// block of up to 8 query rows, the scores are `rows_range`'s dot products (a query a row of
+// x, a key a row of w) kept in fp32, times `scale`, over the keys its rows can see; the
+// softmax is fp32 (the max subtracted, `exp_lanes`, summed by lanes and `lane_sum`'s tree);
+// the values are summed in fp32 in increasing position (`weighted_values`), divided by the
+// sum once and rounded once. A query row's bits depend only on that row, its keys, values
+// and mask: not on B, T, the thread count or which rows share a block, so a prompt fed in
+// pieces (the prefix cache) or one token at a time gets the bits of one fed whole. At these
+// sizes (a few heads, a few hundred to a few thousand positions) the CPU kernel of
+// `scaled_dot_product_attention` spent more on setup than on arithmetic at one new token
+// and ran at a fraction of this CPU's bf16 rate with a mask.
+at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const c10::optional<at::Tensor>& mask, bool causal, double scale) {
+  RECORD_FUNCTION("apprentice::attention_rows", std::vector<c10::IValue>({q, k}));
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-              v.scalar_type() == at::kBFloat16 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "decode_attention: q, k, v bf16 [B, KV, ., D]");
-  const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), D = q.size(3), S = k.size(2);
+              v.scalar_type() == at::kBFloat16 && q.dim() == 5 && k.dim() == 4 && v.dim() == 4,
+              "attention_rows: q [B, KV, G, T, D], k and v [B, KV, S, D], bf16");
+  const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), T = q.size(3), D = q.size(4);
+  const int64_t S = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == KV && k.size(3) == D && v.sizes() == k.sizes() &&
-              S >= 1, "decode_attention: k and v [B, KV, S, D]");
+              S >= T && T >= 1, "attention_rows: k and v [B, KV, S >= T, D]");
   auto rows = [&](const at::Tensor& t) {     // each (row, kv head)'s positions: rows of D
     return t.stride(3) == 1 && (S == 1 || t.stride(2) == D) ? t : t.contiguous();
   };
   const at::Tensor kc = rows(k), vc = rows(v);
-  auto qx = as_xrows(q);                                            // [B, KV, G, D]
+  auto qx = as_xrows(q);                                            // contiguous
   at::Tensor mc;
   if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->numel() == B * S, "decode_attention: a mask of B x S");
-    mc = mask->reshape({B, S}).to(at::kBool).contiguous();
+    TORCH_CHECK(mask->numel() == B * T * S, "attention_rows: a mask of B x T x S");
+    mc = mask->reshape({B, T, S}).to(at::kBool).contiguous();
   }
-  auto out = at::empty({B, KV, G, D}, q.options());
+  auto out = at::empty({B, KV, G, T, D}, q.options());
   const auto* qp = static_cast<const XRow*>(qx.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
   const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t kb = kc.stride(0), kh = kc.stride(1), vb = vc.stride(0), vh = vc.stride(1);
+  const int64_t past = S - T, R = G * T, blocks = (R + kRows - 1) / kRows;
   const float sc = static_cast<float>(scale);
-  const int64_t work = std::max<int64_t>(1, 2 * G * S * D);        // multiply-adds of a pair
+  // jobs: (row, kv head, block of 8 of its G x T query rows); grain ~64k multiply-adds
+  const int64_t work = std::max<int64_t>(1, 2 * std::min(kRows, R) * S * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
-  at::parallel_for(0, B * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * S), acc(G * D), total(G);
+  at::parallel_for(0, B * KV * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kRows * S), acc(kRows * D), total(kRows);
+    std::vector<int64_t> last(kRows);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / KV, h = job % KV;
-      const uint16_t* kj = kp + b * kb + h * kh;
-      const uint16_t* vj = vp + b * vb + h * vh;
-      const bool* mj = mp ? mp + b * S : nullptr;
-      for (int64_t g = 0; g < G; g += kRows)                        // scores[g, t] = q_g . k_t
-        rows_range_any(std::min(kRows, G - g), qp + (job * G + g) * D, kj, S, D, nullptr,
-                       scores.data() + g * S, 0, S);
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * S;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < S; ++t) {
-          s[t] = mj && !mj[t] ? -INFINITY : s[t] * sc;
-          mx = std::max(mx, s[t]);
+      const int64_t bh = job / blocks, r0 = (job % blocks) * kRows;     // bh: (b, h)
+      const int64_t b = bh / KV, h = bh % KV, n = std::min(kRows, R - r0);
+      int64_t seen = 0;                            // keys any row of the block sees: [0, seen)
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = (r0 + r) % T;
+        last[r] = causal ? past + t + 1 : S;
+        if (mp) {
+          const bool* m = mp + (b * T + t) * S;
+          while (last[r] > 0 && !m[last[r] - 1]) --last[r];
         }
-        total[g] = exp_lanes(s, S, mx);                 // s[t] = exp(s[t] - mx), their sum
+        seen = std::max(seen, last[r]);
       }
-      weighted_values(G, scores.data(), S, vj, D, mj, acc.data());
-      at::BFloat16* oj = op + job * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.0f / total[g];
-        for (int64_t d = 0; d < D; ++d) oj[g * D + d] = at::BFloat16(acc[g * D + d] * inv);
+      const XRow* qr = qp + (bh * R + r0) * D;
+      rows_range_any(n, qr, kp + b * kb + h * kh, seen, D, nullptr, scores.data(), 0, seen);
+      for (int64_t r = 0; r < n; ++r) {                 // scores [n, seen]
+        float* s = scores.data() + r * seen;
+        const bool* m = mp ? mp + (b * T + (r0 + r) % T) * S : nullptr;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < seen; ++j) {
+          s[j] = j >= last[r] || (m && !m[j]) ? -INFINITY : s[j] * sc;
+          mx = std::max(mx, s[j]);
+        }
+        total[r] = exp_lanes(s, seen, mx);           // s[j] = exp(s[j] - mx), their sum
+      }
+      weighted_values(n, scores.data(), seen, seen, vp + b * vb + h * vh, D, acc.data());
+      at::BFloat16* o = op + (bh * R + r0) * D;
+      for (int64_t r = 0; r < n; ++r) {
+        const float inv = 1.0f / total[r];
+        for (int64_t d = 0; d < D; ++d) o[r * D + d] = at::BFloat16(acc[r * D + d] * inv);
       }
     }
   });
   return out;
+}
+
+// A decode step's attention (one new token per row): q [B, KV, G, D], mask [B, S] or none.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4, "decode_attention: q [B, KV, G, D]");
+  return attention_rows(q.unsqueeze(3), k, v, mask, false, scale).squeeze(3);
 }
 
 namespace {
@@ -635,4 +665,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
   m.def("moe_rows", &moe_rows, "the routed experts of at most 8 rows of bf16");
   m.def("decode_attention", &decode_attention, "one new token's attention per row, bf16");
+  m.def("attention_rows", &attention_rows, "bf16 attention without autograd, row by row");
 }
