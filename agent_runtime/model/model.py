@@ -31,7 +31,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps)
+        return norm(x, self.weight, self.eps)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rms_normalize(x) (weight [H], or [W, H]: row i of x takes weight row i % W);
+    in bf16 inference, one pass in C++ (the C++ decode step's too, so the two agree bitwise)."""
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu" \
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        ext = _extension()
+        if ext is not None:
+            return ext.rms_norm_rows(x, weight, eps)
+    return weight * rms_normalize(x, eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,7 +158,7 @@ class Attention(nn.Module):
         if a.qk_norm == "head":                # per-head norms of q and k in one pass
             w = torch.cat((self.q_norm.weight.expand(a.num_heads, -1),
                            self.k_norm.weight.expand(a.num_kv_heads, -1)))
-            qk = w * rms_normalize(qk, a.rms_eps)
+            qk = norm(qk, w, a.rms_eps)
         v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
         qk = qk.transpose(1, 2)                                          # [B, h + kv, T, D]
         qk = qk * cos + rotate_half(qk) * sin                            # one RoPE for q and k

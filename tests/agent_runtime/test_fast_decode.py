@@ -166,6 +166,24 @@ def test_prefill_attention_is_attention_and_a_prompt_in_pieces_gets_the_same_bit
         assert torch.equal(one.view(torch.int16), out[:, :, :, i:i + 1].view(torch.int16)), i
 
 
+@pytest.mark.parametrize("rows,weights,width", [(1, 1, 256), (6, 6, 64), (40, 3, 100)])
+def test_rms_norm_rows_is_rmsnorm_in_bf16(built, rows, weights, width):
+    """`rms_norm_rows` against RMSNorm computed in float64 and rounded as HF rounds it
+    (normalized value to bf16, then times the weight): at most one bf16 step apart; weight
+    rows cycle over x's rows; a row alone gets its bits in the batch."""
+    from agent_runtime.model.model import rms_normalize
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=g) * 3).bfloat16()
+    w = (torch.rand(weights, width, generator=g) + 0.5).bfloat16()
+    out = ext.rms_norm_rows(x, w.squeeze(0) if weights == 1 else w, 1e-6)
+    ref = w.double().repeat(rows // weights + 1, 1)[:rows] * rms_normalize(x.double(), 1e-6)
+    assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all()
+    for i in range(rows):
+        one = ext.rms_norm_rows(x[i:i + 1], w[i % weights], 1e-6)
+        assert torch.equal(one.view(torch.int16), out[i:i + 1].view(torch.int16))
+
+
 def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path):
     """torch's `lock` file, left by a build that was killed, is removed under our flock (the
     next build would otherwise wait on it forever); while another process's build holds the
