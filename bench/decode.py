@@ -6,7 +6,9 @@
     python bench/decode.py --rows 8              # and 8 rows of one batch against one row
 
 Both engines load the same checkpoint, get the same prompt, decode the same number of greedy
-tokens (checked identical), and are timed in the same run. Prints prefill and decode tokens/s,
+tokens (checked identical), and are timed in the same run. Prints prefill (through `generate`
+with one new token, and as a plain forward `model(ids)` with every position's logits, the two
+ways a user meets it) and decode tokens/s,
 the memory-bandwidth bound of decode (active bytes per token over measured copy bandwidth), the
 matmul bound of prefill (operations per token over the measured speed of one large matmul)
 and the ratios ours/transformers; with --rows N, last, our decode tokens/s with N rows of one
@@ -122,6 +124,22 @@ def time_ours(model, prompt, new, device, reps):
     return pre, statistics.median(t for t, _ in full), full[0][1]
 
 
+def time_forward(model, prompt, device, reps):
+    """Seconds of one plain forward over the prompt (`model(ids)`, every position's logits),
+    the way a user scores a prompt with either engine: no cache, no generate."""
+    ids = torch.tensor([prompt], device=device)
+
+    def run():
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model(ids)
+        sync(device)
+        return time.perf_counter() - t
+    run()                                                            # warm-up
+    return statistics.median(run() for _ in range(reps))
+
+
 def time_rows(model, prompt, new, device, reps, rows):
     """Decode tokens/s of `rows` sampled rows of one prompt in one batch (all rows' tokens)."""
     def run(n):
@@ -182,7 +200,9 @@ def main() -> None:
         bound = bw / active_bytes(ours)
         compute = matmul_flops(args.device, ours.dtype) / prefill_flops(ours, args.prompt_len)
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
+        fwd = time_forward(ours, prompt, args.device, args.reps)
         row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
+               "ours_forward": args.prompt_len / fwd,
                "ours_decode": (args.new_tokens - 1) / (full - pre), "bound": bound,
                "compute": compute}
         if args.rows:
@@ -194,9 +214,11 @@ def main() -> None:
             import transformers
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(args.device).eval()
             hpre, hfull, htoks = time_hf(hf, prompt, args.new_tokens, args.device, args.reps)
+            hfwd = time_forward(hf, prompt, args.device, args.reps)
             del hf
             same = sum(a == b for a, b in zip(toks, htoks))
-            row.update(hf_prefill=args.prompt_len / hpre, hf_decode=(args.new_tokens - 1) / (hfull - hpre),
+            row.update(hf_prefill=args.prompt_len / hpre, hf_forward=args.prompt_len / hfwd,
+                       hf_decode=(args.new_tokens - 1) / (hfull - hpre),
                        same_tokens=f"{same}/{len(toks)}")
         rows.append(row)
     print(f"checkpoint: {path.name}  device: {args.device}  threads: {torch.get_num_threads()}  "
@@ -210,6 +232,13 @@ def main() -> None:
     print("mm bound: prefill tokens/s if every matmul ran at the speed of one large square matmul "
           "(active weights x 2 + attention, over measured FLOP/s); bw bound: decode tokens/s if "
           "reading the active weights were the only cost")
+    print("prefill two ways (tokens/s): generate with one new token (the table's 'prefill': "
+          "the last position's logits only) and a plain forward, model(ids), every position's "
+          "logits: " + "  ".join(
+              f"{r['dtype']}: ours {r['ours_prefill']:.1f} / {r['ours_forward']:.1f}"
+              + (f", transformers {r['hf_prefill']:.1f} / {r['hf_forward']:.1f}, forward ratio "
+                 f"{r['ours_forward'] / r['hf_forward']:.2f}x" if 'hf_forward' in r else "")
+              for r in rows))
     if not args.no_hf:
         print("ratios ours/transformers: " + "  ".join(
             f"{r['dtype']}: prefill {r['ours_prefill'] / r['hf_prefill']:.2f}x "
