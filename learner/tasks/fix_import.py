@@ -55,7 +55,10 @@ class Breakage:
 def _break(ctx: Context, variant: str, home: str, user: str, target, modules: dict) -> Breakage:
     """Decide how the import breaks; `wrong_source` adds its decoy module to `modules`."""
     pkg, name = ctx.pkg, target.name
-    good = f"from {pkg}.{home} import {name}"
+    # the fix imports relative to the package (both modules are in it): its module is the
+    # file name the search printed, one short copy; `pkg.home` from `pkg/home.py` was a
+    # conversion a small model gets wrong (it wrote `from pkg import name`)
+    good = f"from .{home} import {name}"
     if variant == "missing_import":
         return Breakage(None, good, f"NameError: name '{name}' is not defined", user,
                         f"`{pkg}/{user}.py` uses `{name}` without importing it")
@@ -134,9 +137,8 @@ def _plan(ctx: Context, brk: Breakage, files: dict, command: str, name: str,
 
     The sentences carry each fact the fix needs next to where it is used, so the copies a
     small model makes are short: the turn after the search names the file it found, and the
-    fix's sentence names that file's module last, right before the import line that uses it
-    (not the misspelt module, which the error and the diagnosis mention and which a copy of
-    the nearest `pkg.` would otherwise continue)."""
+    fix's sentence names that file last, right before the relative import line whose module
+    is its file name (not the misspelt module, which the error and the diagnosis mention)."""
     path = f"{ctx.pkg}/{brk.broken}.py"
     fix = call("edit_file", path=path, old=brk.bad_import, new=brk.fix_line) if brk.bad_import \
         else add_import_call(files[path], path, brk.fix_line)
@@ -144,8 +146,9 @@ def _plan(ctx: Context, brk: Breakage, files: dict, command: str, name: str,
     read, say = reads(ctx, [path]), f"{brk.why}; the fix is `{brk.fix_line}`."
     if home:
         turns.append(turn(f"Where is `{name}` defined?", call("grep", pattern=f"def {name}\\b")))
-        read["say"] = f"It is defined in `{home.replace('.', '/')}.py`. {read['say']}"
-        say = f"{brk.why}. `{name}` is in module `{home}`, so the fix is `{brk.fix_line}`."
+        found = f"{home.replace('.', '/')}.py"
+        read["say"] = f"It is defined in `{found}`. {read['say']}"
+        say = f"{brk.why}. `{name}` is in `{found}`, so the fix is `{brk.fix_line}`."
     turns += [read, turn(say, fix),
               turn("Running the command again.", call("run_command", command=command))]
     if ctx.rng.random() < 0.2:

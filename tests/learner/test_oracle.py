@@ -89,3 +89,23 @@ def test_oracle_needs_a_plan(tmp_path):
     (tmp_path / "task.json").write_text('{"instruction": "x", "test": "true"}')
     with pytest.raises(ValueError, match="no oracle plan"):
         OraclePolicy(load_task_folder(tmp_path))
+
+
+def test_a_found_name_is_imported_relative_to_the_package_from_the_file_the_search_found():
+    """fix_import's plan after a search imports from `.module`, where `pkg/module.py` is the
+    file its sentence names after the search: one short copy, not a path turned into a dotted
+    module name (which r11 got wrong: `from warehouse import name` after `warehouse/restock.py`)."""
+    import re
+    seen = 0
+    for task in generate("train", 40, seed=SEED, families=["fix_import"]):
+        turns = script(task)
+        found = [re.search(r"It is defined in `(\w+)/(\w+)\.py`", t) for t in turns]
+        found = [m for m in found if m]
+        if not found:
+            continue                                   # a missing standard-library import
+        seen += 1
+        pkg, module = found[0].groups()
+        edit = next(json.loads(t.split("<tool_call>\n")[1].split("\n</tool_call>")[0])
+                    for t in turns if '"edit_file"' in t)
+        assert re.search(rf"^from \.{module} import \w+$", edit["arguments"]["new"], re.M), edit
+    assert seen >= 10
