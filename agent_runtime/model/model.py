@@ -37,11 +37,9 @@ class RMSNorm(nn.Module):
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rms_normalize(x) (weight [H], or [W, H]: row i of x takes weight row i % W);
     in bf16 inference, one pass in C++ (the C++ decode step's too, so the two agree bitwise)."""
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu" \
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        ext = _extension()
-        if ext is not None:
-            return ext.rms_norm_rows(x, weight, eps)
+    ext = _inference_kernels(x, weight)
+    if ext is not None:
+        return ext.rms_norm_rows(x, weight, eps)
     return weight * rms_normalize(x, eps)
 
 
@@ -92,12 +90,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     F.linear). Matmuls over many rows (prefill) upcast to fp32 where CPUs lack native bf16
     FMA, which runs fp32 GEMMs several times faster, and the result (fp32 accumulation,
     rounded once) is what a bf16 GEMM computes anyway."""
-    if w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu" \
-            and 0 < x.numel() <= KERNEL_ROWS * x.shape[-1] \
-            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
-        ext = _extension()
-        if ext is not None:
-            return ext.rows_linear(x, w, b)
+    if 0 < x.numel() <= KERNEL_ROWS * x.shape[-1] \
+            and (ext := _inference_kernels(x, w)) is not None:
+        return ext.rows_linear(x, w, b)
     if UPCAST_CPU and w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" \
             and x.numel() >= UPCAST_ROWS * x.shape[-1]:
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
@@ -107,6 +102,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def _extension():
     from agent_runtime.model.fast_decode import extension    # it imports this module
     return extension()
+
+
+def _inference_kernels(*tensors: torch.Tensor):
+    """The C++ extension when every tensor is bf16 on the CPU and none needs a gradient (its
+    kernels have no backward), so that it serves the call; else None."""
+    if all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) \
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return _extension()
+    return None
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -168,18 +172,12 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
         group = a.num_heads // a.num_kv_heads
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" \
-                and not (torch.is_grad_enabled() and q.requires_grad):
-            ext = _extension()        # inference in bf16: row by row in C++ (the C++ decode
-            if ext is not None:       # step's attention too, so the two agree bitwise)
-                if T == 1:
-                    out = ext.decode_attention(q.reshape(B, a.num_kv_heads, group, a.head_dim),
-                                               k, v, mask, a.scale)
-                    return self.o_proj(out.reshape(B, 1, -1).to(x.dtype))
-                out = ext.attention_rows(q.reshape(B, a.num_kv_heads, group, T, a.head_dim),
-                                         k, v, mask, causal, a.scale)
-                out = out.reshape(B, a.num_heads, T, a.head_dim)
-                return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
+        ext = _inference_kernels(q)   # inference in bf16: row by row in C++ (the C++ decode
+        if ext is not None:           # step's attention too, so the two agree bitwise)
+            out = ext.attention_rows(q.reshape(B, a.num_kv_heads, group, T, a.head_dim),
+                                     k, v, mask, causal, a.scale)
+            out = out.reshape(B, a.num_heads, T, a.head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
         if T == 1 and group > 1:
             # Decode: the heads sharing a kv head become that head's queries, so keys and
             # values are read once instead of expanded per head (2x faster on CPU at 1.7k).
@@ -222,11 +220,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape                                                 # x [N, H]
         if FUSED_EXPERTS and N <= KERNEL_ROWS and x.dtype == torch.bfloat16 \
-                and self.gate_up.dtype == torch.bfloat16 and x.device.type == "cpu" \
-                and not (torch.is_grad_enabled() and self.gate_up.requires_grad):
-            ext = _extension()                    # decode: all chosen experts in one call,
-            if ext is not None:                   # bitwise the loops below
-                return ext.moe_rows(x, idx, w, self.gate_up, self.down)
+                and (ext := _inference_kernels(self.gate_up)) is not None:
+            # decode: all chosen experts in one call, bitwise the loops below
+            return ext.moe_rows(x, idx, w, self.gate_up, self.down)
         if N == 1:                                                       # decode: k small matmuls
             out = None
             for e, we in zip(idx.tolist()[0], w.tolist()[0]):

@@ -136,8 +136,6 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 }
 #endif
 
-// s[t] = exp(s[t] - mx) for t < n (exp(-inf) = 0); returns their sum, in 16 lanes (lane
-// t % 16, increasing t) summed by `lane_sum`'s tree.
 #if defined(__AVX512F__)
 inline __m512 exp_ps(__m512 x) {   // x <= 0: 2^n * p(r), r = x - n ln 2, |error| ~1 ulp
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -155,6 +153,8 @@ inline __m512 exp_ps(__m512 x) {   // x <= 0: 2^n * p(r), r = x - n ln 2, |error
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));   // below e^-87: 0
 }
 
+// s[t] = exp(s[t] - mx) for t < n (exp(-inf) = 0); returns their sum, in 16 lanes (lane
+// t % 16, increasing t) summed by `lane_sum`'s tree.
 inline float exp_lanes(float* s, int64_t n, float mx) {
   __m512 sum = _mm512_setzero_ps();
   const __m512 m = _mm512_set1_ps(mx);
