@@ -101,7 +101,7 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
                    "policy spec such as 'replay:FILE'.")
 @click.option("--compare", metavar="A,B", help="Instead of --model: evaluate these models on the "
               "same tasks (greedy, one episode each) and print pass@1 side by side. Each is "
-              "'default', a recipe stage (pretrain, sft, grpo: RECIPE/STAGE/model) or a "
+              "'default', a recipe stage (pretrain, sft, rft, grpo: RECIPE/STAGE/model) or a "
               "checkpoint directory.")
 @click.option("--recipe", "recipe_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Recipe folder the stage names of --compare refer to (default: "
@@ -356,7 +356,7 @@ def report(run_dir: Path | None, out: Path | None) -> None:
               help="Recipe folder, one subfolder per stage (default: "
                    "$APPRENTICE_HOME/recipes/NAME). Rerun to resume.")
 @click.option("--stages", metavar="A,B", help="Only these stages (tokenizer, corpus, "
-                                              "pretrain, sft_data, sft, grpo, eval).")
+                                              "pretrain, sft_data, sft, rft, grpo, eval).")
 @click.option("--device", default="auto", show_default=True,
               help="Training and evaluation device: auto (cuda when present), cpu, cuda.")
 @click.option("--eval-n", type=click.IntRange(1), default=None,
@@ -371,7 +371,7 @@ def report(run_dir: Path | None, out: Path | None) -> None:
 def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
            eval_n: int | None, processes: int | None, max_minutes: float | None,
            ship: bool) -> None:
-    """Make a default policy from scratch: tokenizer, pre-training, SFT, GRPO, eval."""
+    """Make a default policy from scratch: tokenizer, pre-training, SFT, RFT, GRPO, eval."""
     from agent_runtime.store import default_home
     from learner.eval import format_comparison
     from learner.recipe import RECIPES, STAGES, run_recipe

@@ -22,7 +22,8 @@ from learner.rollout import Episode, run_episodes
 from learner.tasks import TaskInstance, generate, load_tasks
 
 SIM_SETS = {"sim-heldout": "heldout", "sim-train": "train"}
-MODEL_STAGES = ("pretrain", "sft", "grpo")       # recipe stages that write `<stage>/model`
+MODEL_STAGES = ("pretrain", "sft", "rft", "grpo")   # recipe stages that write `<stage>/model`,
+                                                    # in recipe order
 
 
 @dataclass

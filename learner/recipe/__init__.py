@@ -1,6 +1,6 @@
 """The recipe that makes apprentice's embedded default policy, end to end, with our own pipeline.
 
-    apprentice learn recipe default --out DIR      # tokenizer -> corpus -> pretrain -> sft -> grpo -> eval
+    apprentice learn recipe default --out DIR   # tokenizer, corpus, pretrain, sft, rft, grpo, eval
 
 Stages (each in `DIR/<stage>/`, each ending with a `metrics.json`, each resumable):
 
@@ -8,8 +8,10 @@ Stages (each in `DIR/<stage>/`, each ending with a `metrics.json`, each resumabl
 2. `corpus` — the corpus tokenized, train / held-out split by file;
 3. `pretrain` — a fresh MoE trained on next-token prediction, held-out perplexity;
 4. `sft_data`, `sft` — oracle trajectories through the real agent loop, loss on assistant tokens;
-5. `grpo` — the learner's GRPO pipeline on the simulated training split, router replay on;
-6. `eval` — held-out pass@1 of the SFT and GRPO checkpoints, side by side.
+5. `rft` — expert iteration: the SFT model's own verified passes on fresh training tasks,
+   fine-tuned on (`learner.recipe.rft`);
+6. `grpo` — the learner's GRPO pipeline on the simulated training split, router replay on;
+7. `eval` — held-out pass@1 of the SFT, RFT and GRPO checkpoints, side by side.
 
 `RECIPES` names the presets: "default" (the shipped model's shape and budgets) and "toy" (a
 tiny model that runs every stage on a CPU in minutes, for smoke tests). This package imports
@@ -21,6 +23,7 @@ from __future__ import annotations
 from learner.recipe.evaluate import EvalConfig
 from learner.recipe.lm import LMConfig
 from learner.recipe.pretrain import ModelShape, PretrainConfig
+from learner.recipe.rft import RFTConfig
 from learner.recipe.sft import SFTConfig
 from learner.recipe.stages import STAGES, GRPOStageConfig, RecipeConfig, run_recipe
 from learner.recipe.tokenizer_stage import TokenizerConfig
@@ -80,6 +83,10 @@ def toy_recipe() -> RecipeConfig:
         sft=SFTConfig(train=LMConfig(steps=10, lr=1e-3, warmup=2, weight_decay=0.0,
                                      log_every=5, checkpoint_every=5),
                       tasks=6, workers=1, batch_size=2, slip_share=0.5, heldout_tasks=2),
+        rft=RFTConfig(rounds=1, tasks=2, concurrency=2, max_steps=2, max_new_tokens=32,
+                      sft=SFTConfig(train=LMConfig(steps=2, lr=1e-4, warmup=1, weight_decay=0.0,
+                                                   log_every=1, checkpoint_every=2),
+                                    batch_size=2)),
         grpo=GRPOStageConfig(steps=1, group_size=2, groups_per_step=1, max_new_tokens=32,
                              max_steps=2, workers=1, lr=1e-5),
         eval=EvalConfig(n=3, max_steps=2, summary_window=1024))

@@ -18,6 +18,7 @@ import tarfile
 from pathlib import Path
 
 from learner.recipe import RECIPES, STAGES, run_recipe
+from learner.recipe.ship import newest_model
 from learner.recipe.stages import check_stages
 
 
@@ -25,8 +26,10 @@ def export(out: Path, dest: Path) -> list[Path]:
     """`dest/meta.tar.gz` (every stage's metrics, the model's config and tokenizer files) and
     the weight shards of the last trained model, flat: few files, none over 16 MiB."""
     dest.mkdir(parents=True, exist_ok=True)
-    model = next((out / s / "model" for s in ("grpo", "sft", "pretrain")
-                  if (out / s / "model" / "config.json").exists()), None)
+    try:
+        model = newest_model(out)
+    except FileNotFoundError:
+        model = None
     shards = sorted(model.glob("*.safetensors")) if model is not None else []
     written = [Path(shutil.copy2(f, dest / f.name)) for f in shards]
     with tarfile.open(dest / "meta.tar.gz", "w:gz") as tar:

@@ -14,14 +14,14 @@ import json
 import shutil
 from pathlib import Path
 
+from learner.eval import MODEL_STAGES
 from learner.recipe.stages import STAGES
 
-MODEL_STAGES = ("grpo", "sft", "pretrain")       # newest first
 DROPPED = ("history", "config")                  # per-step rows and full configs stay in the run
 
 
 def newest_model(recipe_dir: Path) -> Path:
-    for stage in MODEL_STAGES:
+    for stage in reversed(MODEL_STAGES):                    # the newest first
         if (recipe_dir / stage / "model" / "config.json").exists():
             return recipe_dir / stage / "model"
     raise FileNotFoundError(f"{recipe_dir}: no trained model (none of {', '.join(MODEL_STAGES)}/model)")

@@ -1,12 +1,13 @@
 """The recipe's stages, run in order with resume: tokenizer, corpus, pretrain, sft_data, sft,
-grpo, eval.
+rft, grpo, eval.
 
 Each stage writes into its own folder under the recipe folder and ends by writing
 `metrics.json` (its numbers, its wall time and its config). A stage whose `metrics.json`
 exists is done and is skipped; a stage that was interrupted is run again, and the training
 stages continue from their last `state.pt` (the GRPO stage from the learner's checkpoints),
 so rerunning the same command resumes the recipe. Checkpoints are HF-format folders
-(`pretrain/model`, `sft/model`, `grpo/model`) with the tokenizer and chat template inside.
+(`pretrain/model`, `sft/model`, `rft/model`, `grpo/model`) with the tokenizer and chat
+template inside.
 
 It does not define what a stage computes (the stage modules do) or parse command lines.
 """
@@ -22,10 +23,11 @@ from typing import Callable
 from learner.recipe.evaluate import EvalConfig, evaluate_model
 from learner.recipe.lm import write_json
 from learner.recipe.pretrain import PretrainConfig
+from learner.recipe.rft import RFTConfig
 from learner.recipe.sft import SFTConfig
 from learner.recipe.tokenizer_stage import TokenizerConfig
 
-STAGES = ("tokenizer", "corpus", "pretrain", "sft_data", "sft", "grpo", "eval")
+STAGES = ("tokenizer", "corpus", "pretrain", "sft_data", "sft", "rft", "grpo", "eval")
 
 
 @dataclass
@@ -50,6 +52,7 @@ class RecipeConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rft: RFTConfig = field(default_factory=RFTConfig)
     grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -102,7 +105,8 @@ def _headline(m: dict) -> dict:
 
 def _stage_config(config: RecipeConfig, stage: str) -> dict:
     part = {"tokenizer": config.tokenizer, "corpus": config.pretrain, "pretrain": config.pretrain,
-            "sft_data": config.sft, "sft": config.sft, "grpo": config.grpo, "eval": config.eval}
+            "sft_data": config.sft, "sft": config.sft, "rft": config.rft, "grpo": config.grpo,
+            "eval": config.eval}
     return asdict(part[stage])
 
 
@@ -156,8 +160,26 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
     return metrics
 
 
+def _rft(out: Path, config: RecipeConfig, log) -> dict:
+    """Expert iteration (`learner.recipe.rft`) from the SFT checkpoint: the model's own honest
+    passes on fresh training tasks, mixed with the stage `sft_data`'s oracle sequences."""
+    from learner.recipe import rft
+    metrics = rft.run(out / "sft" / "model", out / "rft", config.rft,
+                      oracle=out / "sft_data" / "data.npz", log=log)
+    got = [r["collect"] for r in metrics["rounds"]]
+    metrics["passed"] = "+".join(str(g["passed"]) for g in got)     # per round, for the log
+    metrics["tasks"] = sum(g["tasks"] for g in got)
+    return metrics
+
+
+def _start(out: Path) -> Path:
+    """The checkpoint GRPO starts from: expert iteration's when it ran, else SFT's."""
+    rft = out / "rft" / "model"
+    return rft if (rft / "config.json").exists() else out / "sft" / "model"
+
+
 def _grpo(out: Path, config: RecipeConfig, log) -> dict:
-    """GRPO with the learner's pipeline (router replay on) from the SFT checkpoint."""
+    """GRPO with the learner's pipeline (router replay on) from the RFT (else SFT) checkpoint."""
     from agent_runtime.policies.engine import EnginePolicy
     from agent_runtime.model import save_model
     from agent_runtime.store import SessionStore
@@ -168,7 +190,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
 
     g = config.grpo
     device = pick_device(g.device)
-    start = out / "sft" / "model"
+    start = _start(out)
     run_dir = out / "grpo" / "run"
     cfg = lc.RunConfig(
         model=str(start), tasks="sim",
@@ -209,10 +231,10 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
 
 
 def _eval(out: Path, config: RecipeConfig, log) -> dict:
-    """Held-out pass@1 of the SFT and GRPO checkpoints, side by side."""
+    """Held-out pass@1 of the SFT, RFT and GRPO checkpoints, side by side."""
     from dataclasses import replace
     result = {}
-    for name in ("sft", "grpo"):
+    for name in ("sft", "rft", "grpo"):
         model = out / name / "model"
         if (model / "config.json").exists():
             m = evaluate_model(model, config.eval)
@@ -228,4 +250,4 @@ def _eval(out: Path, config: RecipeConfig, log) -> dict:
 
 
 RUNNERS = {"tokenizer": _tokenizer, "corpus": _corpus, "pretrain": _pretrain,
-           "sft_data": _sft_data, "sft": _sft, "grpo": _grpo, "eval": _eval}
+           "sft_data": _sft_data, "sft": _sft, "rft": _rft, "grpo": _grpo, "eval": _eval}

@@ -19,7 +19,8 @@ def test_toy_recipe_runs_every_stage_and_ships_a_compact_harness_checkpoint(tmp_
     heldout = results["sft"]["heldout"]                              # scored after SFT
     assert heldout["tokens"] > 0 and 0 <= heldout["token_accuracy"] <= 1 and heldout["loss"] > 0
     evals = results["eval"]
-    assert [evals[name]["n"] for name in ("sft", "grpo", "grpo_window_1024")] == [3, 3, 3]
+    assert [evals[name]["n"] for name in ("sft", "rft", "grpo", "grpo_window_1024")] == [3] * 4
+    assert results["rft"]["tasks"] == 2 and (out / "rft" / "model" / "config.json").exists()
     model = out / "grpo" / "model"
     config = json.loads((model / "config.json").read_text())
     assert config["apprentice_harness"] == "compact"
