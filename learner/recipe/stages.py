@@ -164,6 +164,8 @@ def _rft(out: Path, config: RecipeConfig, log) -> dict:
     """Expert iteration (`learner.recipe.rft`) from the SFT checkpoint: the model's own honest
     passes on fresh training tasks, mixed with the stage `sft_data`'s oracle sequences."""
     from learner.recipe import rft
+    if config.rft.rounds == 0:                  # off: GRPO and eval take the SFT model
+        return {"rounds": [], "tasks": 0}
     metrics = rft.run(out / "sft" / "model", out / "rft", config.rft,
                       oracle=out / "sft_data" / "data.npz", log=log)
     got = [r["collect"] for r in metrics["rounds"]]

@@ -1,6 +1,7 @@
 """Expert iteration (`learner.recipe.rft`): only honest passes become training sequences, the
 way the model wrote them; each round fine-tunes the last round's model and resumes."""
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -8,11 +9,12 @@ import pytest
 
 from agent_runtime.model import load_model, load_tokenizer, save_model
 from agent_runtime.model.chat_template import COMPACT_CHAT_TEMPLATE, ChatTemplate
-from learner.recipe import tokenizer_stage as ts
+from learner.recipe import tokenizer_stage as ts, toy_recipe
 from learner.recipe.lm import LMConfig
 from learner.recipe.pretrain import ModelShape, copy_tokenizer, init_model
 from learner.recipe.rft import RFTConfig, collect, run
 from learner.recipe.sft import RecordingOracle, load_sequences, save_sequences
+from learner.recipe.stages import _start, run_recipe
 from learner.tasks import generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,3 +112,13 @@ def test_a_round_with_no_pass_keeps_the_model(model_dir, tmp_path):
     before, after = load_model(model_dir), load_model(out / "model")
     assert all((a == b).all() for a, b in zip(before.state_dict().values(),
                                               after.state_dict().values()))
+
+
+def test_the_recipe_stage_with_no_rounds_leaves_grpo_and_eval_the_sft_model(model_dir, tmp_path):
+    out = tmp_path / "recipe"
+    shutil.copytree(model_dir, out / "sft" / "model")
+    config = toy_recipe()
+    config.rft = replace(config.rft, rounds=0)
+    results = run_recipe(out, config, ("rft",), log=lambda line: None)
+    assert results["rft"]["rounds"] == [] and not (out / "rft" / "model").exists()
+    assert _start(out) == out / "sft" / "model"
