@@ -375,7 +375,7 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
     from agent_runtime.store import default_home
     from learner.eval import format_comparison
     from learner.recipe import RECIPES, STAGES, run_recipe
-    from learner.recipe.stages import check_stages
+    from learner.recipe.stages import MissingStage, check_stages
     config = RECIPES[name]()
     chosen = tuple(_families(stages) or STAGES)
     try:
@@ -391,7 +391,10 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
         config.pretrain.train.max_seconds = config.sft.train.max_seconds = 60 * max_minutes
         config.grpo.max_seconds = 60 * max_minutes
     out_dir = out_dir or Path(default_home()) / "recipes" / name
-    results = run_recipe(out_dir, config, chosen, log=click.echo)
+    try:
+        results = run_recipe(out_dir, config, chosen, log=click.echo)
+    except MissingStage as exc:
+        raise click.ClickException(str(exc)) from None
     ev = {m: r for m, r in (results.get("eval") or {}).items()
           if isinstance(r, dict) and "pass_at_1" in r}
     if ev:

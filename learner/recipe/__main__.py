@@ -19,7 +19,7 @@ from pathlib import Path
 
 from learner.recipe import RECIPES, STAGES, run_recipe
 from learner.recipe.ship import newest_model
-from learner.recipe.stages import check_stages
+from learner.recipe.stages import MissingStage, check_stages
 
 
 def export(out: Path, dest: Path) -> list[Path]:
@@ -69,7 +69,10 @@ def main() -> None:
         check_stages(stages)
     except ValueError as exc:
         ap.error(str(exc))
-    run_recipe(args.out, config, stages)
+    try:
+        run_recipe(args.out, config, stages)
+    except MissingStage as exc:
+        ap.error(str(exc))
     if args.export:
         for path in export(args.out, args.export):
             print(f"exported {path}")

@@ -28,6 +28,12 @@ from learner.recipe.sft import SFTConfig
 from learner.recipe.tokenizer_stage import TokenizerConfig
 
 STAGES = ("tokenizer", "corpus", "pretrain", "sft_data", "sft", "rft", "grpo", "eval")
+NEEDS = {"corpus": ("tokenizer",), "pretrain": ("tokenizer", "corpus"), "sft_data": ("tokenizer",),
+         "sft": ("pretrain", "sft_data"), "rft": ("sft", "sft_data"), "grpo": ("sft",),
+         "eval": ("sft",)}                  # the stages whose output a stage reads
+OUTPUT = {"tokenizer": "tokenizer/tokenizer.tiktoken", "corpus": "corpus/corpus.npz",
+          "pretrain": "pretrain/model/config.json", "sft_data": "sft_data/data.npz",
+          "sft": "sft/model/config.json"}  # what it reads of each
 
 
 @dataclass
@@ -70,6 +76,20 @@ def check_stages(stages: tuple[str, ...]) -> None:
                          f"{', '.join(STAGES)}")
 
 
+class MissingStage(ValueError):
+    """A stage was asked for before the stages it reads from are done."""
+
+
+def check_needs(out: Path, stage: str) -> None:
+    """MissingStage naming what `stage` reads that `out` does not have yet."""
+    missing = [s for s in NEEDS.get(stage, ()) if not (out / OUTPUT[s]).exists()]
+    if missing:
+        raise MissingStage(
+            f"stage {stage} reads the output of {', '.join(missing)}, which {out} does not have "
+            f"(no {OUTPUT[missing[0]]}): add {', '.join(missing)} to the stages, or run the "
+            f"whole recipe")
+
+
 def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES,
                log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run `stages` (in recipe order) into `out`, skipping finished ones; returns metrics."""
@@ -84,6 +104,7 @@ def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES
             log(f"[{stage}] done already ({done.get('seconds', 0):.0f}s); skipped")
             results[stage] = done
             continue
+        check_needs(out, stage)
         log(f"[{stage}] running")
         t0 = time.time()
         metrics = RUNNERS[stage](out, config, lambda row, s=stage: log(f"[{s}] {_fmt(row)}"))

@@ -143,6 +143,13 @@ def test_the_recipe_command_ends_with_the_same_table(home, tmp_path):
     assert "grpo − sft: +50.0 points" in out.output
 
 
+def test_a_stage_asked_for_before_what_it_reads_is_one_line(home, tmp_path):
+    out = invoke("learn", "recipe", "toy", "--out", tmp_path / "r", "--stages", "sft,grpo")
+    assert out.exit_code == 1 and out.exception is not None
+    assert "Error: stage sft reads the output of pretrain, sft_data" in out.output
+    assert "Traceback" not in out.output and not (tmp_path / "r" / "sft").exists()
+
+
 def test_a_broken_checkpoint_is_one_line_before_any_model_runs(home, recipe, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()

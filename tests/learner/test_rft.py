@@ -14,7 +14,7 @@ from learner.recipe.lm import LMConfig
 from learner.recipe.pretrain import ModelShape, copy_tokenizer, init_model
 from learner.recipe.rft import RFTConfig, collect, run
 from learner.recipe.sft import RecordingOracle, load_sequences, save_sequences
-from learner.recipe.stages import _start, run_recipe
+from learner.recipe.stages import MissingStage, _start, run_recipe
 from learner.tasks import generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,6 +118,10 @@ def test_the_recipe_stage_with_no_rounds_leaves_grpo_and_eval_the_sft_model(mode
     out = tmp_path / "recipe"
     shutil.copytree(model_dir, out / "sft" / "model")
     config = toy_recipe()
+    with pytest.raises(MissingStage, match="stage rft reads the output of sft_data"):
+        run_recipe(out, config, ("rft",), log=lambda line: None)   # a clear error, no traceback
+    (out / "sft_data").mkdir()
+    (out / "sft_data" / "data.npz").write_bytes(b"")
     config.rft = replace(config.rft, rounds=0)
     results = run_recipe(out, config, ("rft",), log=lambda line: None)
     assert results["rft"]["rounds"] == [] and not (out / "rft" / "model").exists()
