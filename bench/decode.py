@@ -54,17 +54,25 @@ def make_checkpoint(path: Path) -> Path:
     return path
 
 
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(device: str, fn):
+    """(seconds, fn()) with the device synchronized on both sides."""
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes moved per second by a large tensor copy (read + write)."""
     x = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
     y = torch.empty_like(x)
-    times = []
-    for _ in range(5):
-        sync(device)
-        t = time.perf_counter()
-        y.copy_(x)
-        sync(device)
-        times.append(time.perf_counter() - t)
+    times = [timed(device, lambda: y.copy_(x))[0] for _ in range(5)]
     return 2 * x.numel() * 4 / min(times)
 
 
@@ -76,13 +84,7 @@ def matmul_flops(device: str, dtype: torch.dtype) -> float:
     n = 1536
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    times = []
-    for _ in range(5):
-        sync(device)
-        t = time.perf_counter()
-        torch.mm(a, b)
-        sync(device)
-        times.append(time.perf_counter() - t)
+    times = [timed(device, lambda: torch.mm(a, b))[0] for _ in range(5)]
     return 2 * n ** 3 / min(times[1:])
 
 
@@ -106,18 +108,12 @@ def active_bytes(model: MoEModel) -> int:
     return total * size
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def time_ours(model, prompt, new, device, reps):
     def run(n):
-        sync(device)
-        t = time.perf_counter()
-        g = generate(model, [prompt], SamplingParams(max_new_tokens=n))[0]
-        sync(device)
-        return time.perf_counter() - t, g.tokens
+        t, g = timed(device, lambda: generate(model, [prompt], SamplingParams(max_new_tokens=n))[0])
+        return t, g.tokens
     run(4)                                                           # warm-up
     pre = statistics.median(run(1)[0] for _ in range(reps))
     full = [run(new) for _ in range(reps)]
@@ -130,12 +126,8 @@ def time_forward(model, prompt, device, reps):
     ids = torch.tensor([prompt], device=device)
 
     def run():
-        sync(device)
-        t = time.perf_counter()
         with torch.inference_mode():
-            model(ids)
-        sync(device)
-        return time.perf_counter() - t
+            return timed(device, lambda: model(ids))[0]
     run()                                                            # warm-up
     return statistics.median(run() for _ in range(reps))
 
@@ -143,11 +135,8 @@ def time_forward(model, prompt, device, reps):
 def time_rows(model, prompt, new, device, reps, rows):
     """Decode tokens/s of `rows` sampled rows of one prompt in one batch (all rows' tokens)."""
     def run(n):
-        sync(device)
-        t = time.perf_counter()
-        generate(model, [prompt] * rows, SamplingParams(max_new_tokens=n, temperature=1.0, seed=0))
-        sync(device)
-        return time.perf_counter() - t
+        return timed(device, lambda: generate(
+            model, [prompt] * rows, SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)))[0]
     run(4)
     pre = statistics.median(run(1) for _ in range(reps))
     full = statistics.median(run(new) for _ in range(reps))
@@ -158,12 +147,10 @@ def time_hf(model, prompt, new, device, reps):
     ids = torch.tensor([prompt], device=device)
 
     def run(n):
-        sync(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None)  # never stops early, never masks eos
-        sync(device)
-        return time.perf_counter() - t, out[0, len(prompt):].tolist()
+        with torch.inference_mode():   # eos_token_id=None: never stops early, never masks eos
+            t, out = timed(device, lambda: model.generate(ids, max_new_tokens=n, do_sample=False,
+                                                          eos_token_id=None))
+        return t, out[0, len(prompt):].tolist()
     run(4)
     pre = statistics.median(run(1)[0] for _ in range(reps))
     full = [run(new) for _ in range(reps)]

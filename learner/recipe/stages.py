@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from learner.eval import MODEL_STAGES
 from learner.recipe.evaluate import EvalConfig, evaluate_model
 from learner.recipe.lm import write_json
 from learner.recipe.pretrain import PretrainConfig
@@ -257,7 +258,7 @@ def _eval(out: Path, config: RecipeConfig, log) -> dict:
     """Held-out pass@1 of the SFT, RFT and GRPO checkpoints, side by side."""
     from dataclasses import replace
     result = {}
-    for name in ("sft", "rft", "grpo"):
+    for name in MODEL_STAGES[MODEL_STAGES.index("sft"):]:       # the task-trained ones
         model = out / name / "model"
         if (model / "config.json").exists():
             m = evaluate_model(model, config.eval)
