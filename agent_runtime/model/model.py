@@ -219,8 +219,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape                                                 # x [N, H]
-        if FUSED_EXPERTS and N <= KERNEL_ROWS and x.dtype == torch.bfloat16 \
-                and (ext := _inference_kernels(self.gate_up)) is not None:
+        if FUSED_EXPERTS and N <= KERNEL_ROWS \
+                and (ext := _inference_kernels(x, self.gate_up, self.down)) is not None:
             # decode: all chosen experts in one call, bitwise the loops below
             return ext.moe_rows(x, idx, w, self.gate_up, self.down)
         if N == 1:                                                       # decode: k small matmuls
