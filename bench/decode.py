@@ -68,12 +68,14 @@ def timed(device: str, fn):
     return time.perf_counter() - t, out
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes moved per second by a large tensor copy (read + write)."""
+def memory_bandwidth(device: str) -> float:
+    """Bytes per second the memory delivers: the better of a large tensor copy (read + write
+    counted) and a large sum (read only, as decode reads its weights), best of 5 each."""
     x = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
     y = torch.empty_like(x)
-    times = [timed(device, lambda: y.copy_(x))[0] for _ in range(5)]
-    return 2 * x.numel() * 4 / min(times)
+    copy = min(timed(device, lambda: y.copy_(x))[0] for _ in range(5))
+    read = min(timed(device, lambda: x.sum())[0] for _ in range(5))
+    return max(2 * x.nbytes / copy, x.nbytes / read)
 
 
 def matmul_flops(device: str, dtype: torch.dtype) -> float:
@@ -180,13 +182,16 @@ def main() -> None:
         path = make_checkpoint(Path(tmp.name) / "moe")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    bw = copy_bandwidth(args.device)
+    bws = []         # measured around each of our decode timings: the machine's varies by 2x
     rows = []
     for dtype in args.dtypes.split(","):
         ours = load_model(path, dtype=dtype, device=args.device)
-        bound = bw / active_bytes(ours)
         compute = matmul_flops(args.device, ours.dtype) / prefill_flops(ours, args.prompt_len)
+        bw = memory_bandwidth(args.device)
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
+        bw = max(bw, memory_bandwidth(args.device))
+        bws.append(bw)
+        bound = bw / active_bytes(ours)
         fwd = time_forward(ours, prompt, args.device, args.reps)
         row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
                "ours_forward": args.prompt_len / fwd,
@@ -209,16 +214,19 @@ def main() -> None:
                        same_tokens=f"{same}/{len(toks)}")
         rows.append(row)
     print(f"checkpoint: {path.name}  device: {args.device}  threads: {torch.get_num_threads()}  "
-          f"prompt {args.prompt_len}  new {args.new_tokens}  copy bandwidth {bw / 1e9:.1f} GB/s")
+          f"prompt {args.prompt_len}  new {args.new_tokens}  memory bandwidth "
+          + " / ".join(f"{b / 1e9:.1f}" for b in bws) + " GB/s")
     print(f"{'dtype':9} {'ours prefill':>13} {'hf prefill':>11} {'mm bound':>9} {'ours decode':>12} "
-          f"{'hf decode':>10} {'bw bound':>9} {'same':>6}   (tokens/s)")
+          f"{'hf decode':>10} {'bw bound':>9} {'share':>6} {'same':>6}   (tokens/s)")
     for r in rows:
         print(f"{r['dtype']:9} {r['ours_prefill']:13.1f} {r.get('hf_prefill', float('nan')):11.1f} "
               f"{r['compute']:9.1f} {r['ours_decode']:12.1f} {r.get('hf_decode', float('nan')):10.1f} "
-              f"{r['bound']:9.1f} {r.get('same_tokens', '-'):>6}")
+              f"{r['bound']:9.1f} {r['ours_decode'] / r['bound']:6.0%} "
+              f"{r.get('same_tokens', '-'):>6}")
     print("mm bound: prefill tokens/s if every matmul ran at the speed of one large square matmul "
           "(active weights x 2 + attention, over measured FLOP/s); bw bound: decode tokens/s if "
-          "reading the active weights were the only cost")
+          "reading the active weights were the only cost, at the best memory bandwidth measured "
+          "just before and after our decode; share: ours decode / bw bound")
     print("prefill two ways (tokens/s): generate with one new token (the table's 'prefill': "
           "the last position's logits only) and a plain forward, model(ids), every position's "
           "logits: " + "  ".join(

@@ -166,6 +166,25 @@ def test_prefill_attention_is_attention_and_a_prompt_in_pieces_gets_the_same_bit
         assert torch.equal(one.view(torch.int16), out[:, :, :, i:i + 1].view(torch.int16)), i
 
 
+@pytest.mark.parametrize("width", [32, 40, 100, 1000, 1024])
+def test_rows_linear_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, width):
+    """`rows_linear` for 1-8 rows against x @ w.T + b in float64: at most one bf16 step
+    apart (one rounding of an fp32 sum); widths with a partial last block of 32 take the
+    masked tail after the whole blocks; a row alone gets its bits in every batch."""
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(width)
+    w = torch.randn(37, width, generator=g).bfloat16()
+    b = torch.randn(37, generator=g).bfloat16()
+    x = torch.randn(8, width, generator=g).bfloat16()
+    alone = [ext.rows_linear(x[i:i + 1], w, b) for i in range(8)]
+    for rows in range(1, 9):
+        out = ext.rows_linear(x[:rows], w, b)
+        ref = x[:rows].double() @ w.double().T + b.double()
+        assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all(), rows
+        for i in range(rows):
+            assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
+
+
 @pytest.mark.parametrize("rows,weights,width", [(1, 1, 256), (6, 6, 64), (40, 3, 100)])
 def test_rms_norm_rows_is_rmsnorm_in_bf16(built, rows, weights, width):
     """`rms_norm_rows` against RMSNorm computed in float64 and rounded as HF rounds it

@@ -56,6 +56,10 @@ inline float lane_sum(__m512 a) {  // the same tree in registers
   const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
+
+inline __m512 widen_bf16(__m256i h) {  // 16 bf16 to fp32, exactly
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #endif
 
 // The NB x M dot products of `dot_rows` (fp32 lanes, in registers or an array) summed by
@@ -82,39 +86,47 @@ inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2 * kLanes) {
-    const int64_t left = K - k;
-    const __mmask32 mask = left >= 2 * kLanes ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+  auto step = [&](int64_t k, auto load) {
     __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)load(x + m * K + k);
     for (int j = 0; j < NB; ++j) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n + j) * K + k);
+      const __m512bh wv = (__m512bh)load(w + (n + j) * K + k);
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
     }
+  };
+  int64_t k = 0;
+  for (; k + 2 * kLanes <= K; k += 2 * kLanes)
+    step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
+  if (k < K) {
+    const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
+    step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
   }
   store_rows<M, NB>(acc, n, bias, y, N);
 }
 #elif defined(__AVX512F__)
 using XRow = float;     // x converted to fp32 once
-inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
-  __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 template <int M, int NB, class Out>
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      Out* y, int64_t N) {
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const __mmask16 mask = K - k >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+  auto step = [&](int64_t k, auto load_x, auto load_w) {
     __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int m = 0; m < M; ++m) xv[m] = load_x(x + m * K + k);
     for (int j = 0; j < NB; ++j) {
-      const __m512 wv = load_bf16(w + (n + j) * K + k, mask);
+      const __m512 wv = widen_bf16(load_w(w + (n + j) * K + k));
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(xv[m], wv, acc[j][m]);
     }
+  };
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes)
+    step(k, [](const float* p) { return _mm512_loadu_ps(p); },
+         [](const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); });
+  if (k < K) {
+    const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
+    step(k, [mask](const float* p) { return _mm512_maskz_loadu_ps(mask, p); },
+         [mask](const uint16_t* p) { return _mm256_maskz_loadu_epi16(mask, p); });
   }
   store_rows<M, NB>(acc, n, bias, y, N);
 }
@@ -175,15 +187,17 @@ inline float exp_lanes(float* s, int64_t n, float mx) {
 template <int GN>
 inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* v, int64_t D,
                          int64_t d, float* acc) {
-  const __mmask16 mask = D - d >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
+  const bool full = D - d >= kLanes;
+  const __mmask16 mask = full ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
   __m512 a[GN];
   for (int j = 0; j < GN; ++j) a[j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < S; ++t) {
     bool any = false;
     for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
     if (!any) continue;
-    const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, v + t * D + d)), 16));
+    const uint16_t* vp = v + t * D + d;
+    const __m512 vv = widen_bf16(full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp))
+                                      : _mm256_maskz_loadu_epi16(mask, vp));
     for (int j = 0; j < GN; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * ps + t]), vv, a[j]);
   }
   for (int j = 0; j < GN; ++j) _mm512_mask_storeu_ps(acc + j * D + d, mask, a[j]);
