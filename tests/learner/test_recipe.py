@@ -15,6 +15,7 @@ import torch
 
 from agent_runtime.model import load_model, load_tokenizer
 from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
+from agent_runtime.model.tokenizer import DEFAULT_PAT_STR
 from learner import tasks as sim
 from learner.recipe import tokenizer_stage as ts
 from learner.recipe.lm import LMConfig, train_lm
@@ -504,6 +505,26 @@ def test_tokenizer_stage_trains_on_train_files_and_measures_heldout(tmp_path):
     metrics = ts.run(tmp_path / "tok", ts.TokenizerConfig(vocab_size=400, train_bytes=60_000), files)
     assert metrics["vocab_size"] == 400 and 1.5 < metrics["heldout_bytes_per_token"] < 6
     assert load_tokenizer(tmp_path / "tok").decode(load_tokenizer(tmp_path / "tok").encode(CODE[:500])) == CODE[:500]
+
+
+def test_a_name_is_the_same_tokens_in_a_path_a_module_and_an_import(tmp_path):
+    """The recipe's pre-tokenizer keeps punctuation off words: the file name the search
+    prints (`pkg/name.py`) is the ids the import needs (`from .name`, `pkg.name`), where
+    Qwen2's split makes `/name` and `.name` words of their own."""
+    import regex
+    forms = ("rota/availability.py", "from rota.availability import x", "from .availability import x")
+    assert [w for f in forms for w in regex.findall(DEFAULT_PAT_STR, f) if "avail" in w] == \
+        ["/availability", ".availability", "availability"]      # three different words
+    config = ts.TokenizerConfig(vocab_size=600, train_bytes=40_000)
+    ts.run(tmp_path / "tok", config, code_files(tmp_path / "src", 100))
+    tok = load_tokenizer(tmp_path / "tok")
+    name = tok.encode("availability")
+    assert all(_contains(tok.encode(f), name) for f in forms), \
+        [[tok.decode([i]) for i in tok.encode(f)] for f in forms]
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
 
 def test_tokenizer_counting_task_repositories_gives_their_identifiers_fewer_tokens(tmp_path):
