@@ -9,7 +9,8 @@ Both engines load the same checkpoint, get the same prompt, decode the same numb
 tokens (checked identical), and are timed in the same run. Prints prefill (through `generate`
 with one new token, and as a plain forward `model(ids)` with every position's logits, the two
 ways a user meets it) and decode tokens/s,
-the memory-bandwidth bound of decode (active bytes per token over measured copy bandwidth), the
+the memory-bandwidth bound of decode (active bytes per token over the memory bandwidth
+measured just before and after our decode) and our share of it, the
 matmul bound of prefill (operations per token over the measured speed of one large matmul)
 and the ratios ours/transformers; with --rows N, last, our decode tokens/s with N rows of one
 batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike.
@@ -110,8 +111,6 @@ def active_bytes(model: MoEModel) -> int:
     return total * size
 
 
-
-
 def time_ours(model, prompt, new, device, reps):
     def run(n):
         t, g = timed(device, lambda: generate(model, [prompt], SamplingParams(max_new_tokens=n))[0])
@@ -182,21 +181,18 @@ def main() -> None:
         path = make_checkpoint(Path(tmp.name) / "moe")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    bws = []         # measured around each of our decode timings: the machine's varies by 2x
     rows = []
     for dtype in args.dtypes.split(","):
         ours = load_model(path, dtype=dtype, device=args.device)
         compute = matmul_flops(args.device, ours.dtype) / prefill_flops(ours, args.prompt_len)
-        bw = memory_bandwidth(args.device)
+        bw = memory_bandwidth(args.device)       # on both sides: the machine's varies by 2x
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
         bw = max(bw, memory_bandwidth(args.device))
-        bws.append(bw)
-        bound = bw / active_bytes(ours)
         fwd = time_forward(ours, prompt, args.device, args.reps)
         row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
                "ours_forward": args.prompt_len / fwd,
-               "ours_decode": (args.new_tokens - 1) / (full - pre), "bound": bound,
-               "compute": compute}
+               "ours_decode": (args.new_tokens - 1) / (full - pre), "bandwidth": bw,
+               "bound": bw / active_bytes(ours), "compute": compute}
         if args.rows:
             one = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, 1)
             many = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, args.rows)
@@ -215,7 +211,7 @@ def main() -> None:
         rows.append(row)
     print(f"checkpoint: {path.name}  device: {args.device}  threads: {torch.get_num_threads()}  "
           f"prompt {args.prompt_len}  new {args.new_tokens}  memory bandwidth "
-          + " / ".join(f"{b / 1e9:.1f}" for b in bws) + " GB/s")
+          + " / ".join(f"{r['bandwidth'] / 1e9:.1f}" for r in rows) + " GB/s")
     print(f"{'dtype':9} {'ours prefill':>13} {'hf prefill':>11} {'mm bound':>9} {'ours decode':>12} "
           f"{'hf decode':>10} {'bw bound':>9} {'share':>6} {'same':>6}   (tokens/s)")
     for r in rows:
