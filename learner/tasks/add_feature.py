@@ -31,6 +31,19 @@ PHRASES = [
            "test as well{where}.", heldout=True),
 ]
 
+# Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
+VARIANTS = (
+    "Please add `{sig}` in `{path}`. {doc} {example}Write a test for it too{where}.",
+    "I need a new function in `{path}`: `{sig}`. {doc} {example}Test it{where}.",
+    "Add `{sig}` to {pkg} (file `{path}`). What it should do: {doc} {example}A test is "
+    "required{where}.",
+    "{pkg} lacks `{sig}`. Put it in `{path}`. {doc} {example}Cover it with a test{where}.",
+    "Create the function `{sig}` inside `{path}`. {doc} {example}And add a test{where}.",
+    "New helper, please: `{sig}`, in `{path}`. {doc} {example}Don't forget a test{where}.",
+    "Implement a new `{sig}` in `{path}`. {doc} {example}Include a test{where}.",
+    "`{path}` should get a function `{sig}`. {doc} {example}Test it as well{where}.",
+)
+
 
 def build(ctx: Context) -> Draft:
     rng, d, pkg = ctx.rng, ctx.difficulty, ctx.pkg
@@ -61,7 +74,7 @@ def build(ctx: Context) -> Draft:
         example = f"For example, `{feature.call(args)}` returns `{value!r}`. "
     test_path = f"tests/test_{feature.name}.py"
     where = {1: f" in `{test_path}`", 2: rng.choice(["", " under `tests/`"]), 3: ""}[d]
-    instruction = phrase(ctx, PHRASES, sig=sig, path=path, doc=feature.doc,
+    instruction = phrase(ctx, PHRASES, VARIANTS, sig=sig, path=path, doc=feature.doc,
                          example=example, where=where, pkg=pkg)
     if d == 3:
         instruction += f" Export it from the package too, so `from {pkg} import " \

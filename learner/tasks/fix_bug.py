@@ -49,6 +49,22 @@ PHRASES = [
            heldout=True),
 ]
 
+# Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
+VARIANTS = (
+    "`{call}` should be {expected}, not {actual}. Fix the code.",
+    "Expected `{call}` to return {expected}; it returns {actual}. Please fix it.",
+    "The result of `{call}` is wrong: {actual} instead of {expected}.",
+    "Can you fix {pkg}? `{call}` gives {actual}, but the right answer is {expected}.",
+    "`{call}` -> {actual}, but it has to be {expected}. Find and fix the bug.",
+    "When I evaluate `{call}` I get {actual}. It ought to be {expected}. Please repair it.",
+    "A bug in {pkg} makes `{call}` return {actual}. The correct value is {expected}.",
+    "`{fn}` is wrong: `{call}` is {actual}, should be {expected}. It lives in `{path}`.",
+    "Please correct `{fn}` (`{path}`): for `{call}` it returns {actual} rather than {expected}.",
+    "Got {actual} from `{call}`, wanted {expected}. Fix the bug and keep the tests.",
+    "`{fn}` needs a fix: `{call}` must give {expected}, it gives {actual}.",
+    "Something in `{fn}` is off. `{call}` returned {actual}; the answer is {expected}.",
+)
+
 KIND_WORDS = {"operator": "a wrong operator", "off_by_one": "an off-by-one error",
               "constant": "a wrong constant", "condition": "a wrong condition"}
 
@@ -120,8 +136,8 @@ def build(ctx: Context) -> Draft:
         fields.update(fn=target.name, path=path)
     if visible_target:
         fields["failing"] = "the failing test"
-    instruction = phrase(ctx, PHRASES, **fields)
-    from_tests = "{failing}" in PHRASES[ctx.phrase[0]].text
+    instruction = phrase(ctx, PHRASES, VARIANTS, **fields)
+    from_tests = "{failing}" in ctx.template
 
     turns = []
     if caller is not None:

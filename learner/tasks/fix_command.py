@@ -29,6 +29,17 @@ PHRASES = [
     Phrase("Fix the {pkg} command line tool: `{command}` should print `{expected}` instead of "
            "failing. {constraint}", heldout=True),
 ]
+
+# Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
+VARIANTS = (
+    "Running `{command}` gives `{error}`. It should print `{expected}`. {constraint}",
+    "`{command}` is broken ({error}); make it print `{expected}`. {constraint}",
+    "Please get `{command}` to work. It should output `{expected}`, but it fails: `{error}`. "
+    "{constraint}",
+    "Expected `{command}` to print `{expected}`; instead it fails with `{error}`. {constraint}",
+    "Repair {pkg} so that `{command}` prints `{expected}`. Right now: `{error}`. {constraint}",
+    "Fix `{command}`. Wanted output: `{expected}`. What happens: `{error}`. {constraint}",
+)
 CONSTRAINTS = ("Fix the program, not the data.", "Don't edit the CSV file; it is correct.",
                "The data file is fine; change the code.", "Leave `{data}` as it is.")
 BREAKS = ("column", "header", "concat", "argv", "decimals")
@@ -124,7 +135,7 @@ def build(ctx: Context) -> Draft:
                                                        expected_other)}
     command = f"python -m {pkg}.cli {data}"
     constraint = rng.choice(CONSTRAINTS).format(data=data)
-    instruction = phrase(ctx, PHRASES, command=command, error=error,
+    instruction = phrase(ctx, PHRASES, VARIANTS, command=command, error=error,
                          expected=expected, constraint=constraint, pkg=pkg)
     to_read = [f"{pkg}/cli.py"] + ([broken] if broken != f"{pkg}/cli.py" else [])
     turns = [turn("Let me run it and look at the traceback.", call("run_command", command=command)),

@@ -31,6 +31,16 @@ PHRASES = [
            "the cause.", heldout=True),
 ]
 
+# Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
+VARIANTS = (
+    "`{command}` stops with `{error}`. Fix it.",
+    "Please fix {pkg}: `{command}` raises `{error}`.",
+    "I ran `{command}` and got `{error}`. Make it run.",
+    "Something is broken: `{command}` fails with `{error}`.",
+    "`{command}` no longer works (`{error}`). Repair the code.",
+    "Error when running `{command}`: `{error}`. Please fix the package.",
+)
+
 VARIANTS = ("missing_import", "wrong_module", "wrong_source", "missing_stdlib")
 
 
@@ -121,7 +131,7 @@ def build(ctx: Context) -> Draft:
     hidden_tests = {hidden_path(caller.name): test_source(
         {f"{pkg}.{home}": [target.name], f"{pkg}.{user}": [caller.name]}, hidden)}
 
-    instruction = phrase(ctx, PHRASES, command=command, error=brk.error, pkg=pkg)
+    instruction = phrase(ctx, PHRASES, VARIANTS, command=command, error=brk.error, pkg=pkg)
     turns = _plan(ctx, brk, files, command, target.name,
                   f"{pkg}.{home}" if variant != "missing_stdlib" else None)
     summary = f"Fixed the import in {pkg}/{brk.broken}.py (`{brk.fix_line}`); `{command}` works."

@@ -29,6 +29,20 @@ PHRASES = [
            "exactly, including the edge cases it mentions.", heldout=True),
 ]
 
+# Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
+VARIANTS = (
+    "{fn} in `{path}` has no body yet. Write it from its docstring.",
+    "Please implement `{fn}` (it is in `{path}`); the docstring is the spec.",
+    "The body of {fn} is empty (`{path}`). Make it do what the docstring says.",
+    "In {pkg}, `{fn}` only contains `...`. Implement it following its docstring and examples.",
+    "Write {fn}. It is declared in {pkg} with a docstring that describes the behaviour.",
+    "Fill in `{fn}` in `{path}` so that the docstring examples hold.",
+    "{fn} needs an implementation; see its docstring in `{path}`.",
+    "Complete the function {fn} in {pkg} according to its documentation.",
+    "Can you write `{fn}`? It sits in `{path}` as a stub.",
+    "`{fn}` is a stub right now. Give it a real body that matches its docstring.",
+)
+
 STUBS = ("    raise NotImplementedError\n", "    # TODO: implement\n    raise NotImplementedError\n",
          "    pass  # TODO\n", '    raise NotImplementedError("not written yet")\n', "    ...\n")
 
@@ -77,7 +91,7 @@ def build(ctx: Context) -> Draft:
         {f"{pkg}.{mod}": [t.name for t in targets]}, hidden)}
 
     fn = " and ".join(f"`{t.name}`" for t in targets)
-    instruction = phrase(ctx, PHRASES, fn=fn, path=path, pkg=pkg)
+    instruction = phrase(ctx, PHRASES, VARIANTS, fn=fn, path=path, pkg=pkg)
 
     text = modules[mod]
     edits = []

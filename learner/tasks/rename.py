@@ -34,6 +34,25 @@ PHRASES = [
            "name should remain.", heldout=True),
 ]
 
+# Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
+VARIANTS = (
+    "`{old}` should be called `{new}` from now on. Update the definition, the imports and the "
+    "calls.",
+    "Change the name of `{old}` to `{new}` in every module that mentions it.",
+    "Give `{old}` a new name, `{new}`, and fix every reference to it.",
+    "The function `{old}` in `{path}` needs the name `{new}`; its callers and imports too.",
+    "Replace the name `{old}` with `{new}` across {pkg}: the definition and all its uses.",
+    "Rename request: old name `{old}`, new name `{new}`.",
+    "Switch every use of `{old}` over to `{new}`, and rename the function itself.",
+    "`{old}` to `{new}`, please, everywhere in the package.",
+    "Let's call `{old}` `{new}` instead. Every caller has to use the new name.",
+    "I'd like `{old}` renamed to `{new}`; keep the tests green.",
+    "Use `{new}` as the name of `{old}` (in `{path}`) and update all references.",
+    "The name `{new}` should replace `{old}` everywhere in {pkg}.",
+    "Nothing in {pkg} should be called `{old}` any more; call it `{new}`.",
+    "Could you rename `{old}`, defined in `{path}`, to `{new}`? Update its callers.",
+)
+
 NEW_PREFIXES = ("compute_", "calc_", "get_", "find_")
 
 
@@ -127,7 +146,7 @@ def build(ctx: Context) -> Draft:
                                                       f"import {pkg}.{home} as {home}_module"])
     hidden_tests = {hidden_path(new): hidden_src}
 
-    instruction = phrase(ctx, PHRASES, old=old, new=new, pkg=pkg, path=path)
+    instruction = phrase(ctx, PHRASES, VARIANTS, old=old, new=new, pkg=pkg, path=path)
     touched = sorted(p for p, text in files.items() if re.search(rf"\b{old}\b", text)
                      and not p.startswith("tests/"))
     # the rename is one substitution over the files the search lists, as a developer does it

@@ -44,16 +44,47 @@ class Phrase:
         return set(re.findall(r"{(\w+)", self.text))
 
 
-def phrase(ctx: "Context", phrases: list[Phrase], **values: Any) -> str:
+# Training-only phrasings composed from parts: an opening, one of a family's `VARIANTS` and a
+# closing. The fixed `PHRASES` are a handful of sentences per family, and a small model trained
+# on them keys on their wording (it copied the second backticked name of a rename whenever the
+# word "rename" was missing) instead of on the names, paths and values they carry: on held-out
+# phrasings it then failed whole families. The composed ones vary the words around the same
+# fields. Held-out phrasings are never built this way.
+OPENINGS = ("", "", "", "Hi! ", "Quick one: ", "Task for {pkg}: ", "In {pkg}: ", "Ticket: ",
+            "Hello. ", "Working on {pkg} today. ", "Small request. ", "Next item: ")
+CLOSINGS = ("", "", "", " Thanks!", " Thank you.", " Keep the change small.",
+            " Please check your work.", " Cheers.")
+VARIANT_SHARE = 0.6                            # of training instances, when the family has some
+
+
+def phrase(ctx: "Context", phrases: list[Phrase], variants: tuple[str, ...] = (),
+           **values: Any) -> str:
     """Pick a phrasing of the context's split whose fields are all given, and fill it in;
-    `ctx.phrase` records which one."""
+    `ctx.phrase` records which one (an index past `phrases` for a composed one) and
+    `ctx.template` its text.
+
+    In the training split, a share of the instances get a composed phrasing instead: an
+    opening, one of `variants` and a closing, drawn from a generator seeded by the instance's
+    values, so `ctx.rng` draws what it drew before and the repository is the same. A variant
+    names `{path}` exactly when the fixed phrasing it replaces does (an oracle that finds
+    the file when the task does not name it plans the same calls), and phrasings that hand the
+    agent a failing test (`{failing}`) are kept."""
     heldout = ctx.split == "heldout"
     pool = [i for i, p in enumerate(phrases) if p.heldout == heldout and p.fields() <= set(values)]
     if not pool:
         raise ValueError(f"no {ctx.split} phrasing for fields {sorted(values)}")
     index = ctx.rng.choice(pool)
-    ctx.phrase = (index, phrases[index].heldout)
-    return phrases[index].text.format(**values)
+    ctx.phrase, ctx.template = (index, phrases[index].heldout), phrases[index].text
+    if not heldout and variants and "{failing}" not in ctx.template:
+        side = Random(f"{ctx.template}|{sorted(values.items())}")
+        named = "{path}" in ctx.template
+        fits = [i for i, v in enumerate(variants) if ("{path}" in v) == named
+                and set(re.findall(r"{(\w+)", v)) <= set(values)]
+        if fits and side.random() < VARIANT_SHARE:
+            i = side.choice(fits)
+            ctx.phrase = (len(phrases) + i, False)
+            ctx.template = side.choice(OPENINGS) + variants[i] + side.choice(CLOSINGS)
+    return ctx.template.format(**values)
 
 
 # ---------------------------------------------------------------- functions
@@ -173,6 +204,7 @@ class Context:
     taken: set[str] = field(default_factory=set)       # identifiers and module names in use
     used_kernels: set[str] = field(default_factory=set)
     phrase: tuple[int, bool] | None = None              # (index, heldout) of the phrasing used
+    template: str = ""                                  # and its text, before filling in
 
     def __post_init__(self):
         if self.domain is None:
