@@ -32,7 +32,7 @@ PHRASES = [
 ]
 
 # Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
-VARIANTS = (
+TRAIN_PHRASINGS = (
     "Please add `{sig}` in `{path}`. {doc} {example}Write a test for it too{where}.",
     "I need a new function in `{path}`: `{sig}`. {doc} {example}Test it{where}.",
     "Add `{sig}` to {pkg} (file `{path}`). What it should do: {doc} {example}A test is "
@@ -74,7 +74,7 @@ def build(ctx: Context) -> Draft:
         example = f"For example, `{feature.call(args)}` returns `{value!r}`. "
     test_path = f"tests/test_{feature.name}.py"
     where = {1: f" in `{test_path}`", 2: rng.choice(["", " under `tests/`"]), 3: ""}[d]
-    instruction = phrase(ctx, PHRASES, VARIANTS, sig=sig, path=path, doc=feature.doc,
+    instruction = phrase(ctx, PHRASES, TRAIN_PHRASINGS, sig=sig, path=path, doc=feature.doc,
                          example=example, where=where, pkg=pkg)
     if d == 3:
         instruction += f" Export it from the package too, so `from {pkg} import " \

@@ -50,7 +50,7 @@ PHRASES = [
 ]
 
 # Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
-VARIANTS = (
+TRAIN_PHRASINGS = (
     "`{call}` should be {expected}, not {actual}. Fix the code.",
     "Expected `{call}` to return {expected}; it returns {actual}. Please fix it.",
     "The result of `{call}` is wrong: {actual} instead of {expected}.",
@@ -136,7 +136,7 @@ def build(ctx: Context) -> Draft:
         fields.update(fn=target.name, path=path)
     if visible_target:
         fields["failing"] = "the failing test"
-    instruction = phrase(ctx, PHRASES, VARIANTS, **fields)
+    instruction = phrase(ctx, PHRASES, TRAIN_PHRASINGS, **fields)
     from_tests = "{failing}" in ctx.template
 
     turns = []

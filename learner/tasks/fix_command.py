@@ -31,7 +31,7 @@ PHRASES = [
 ]
 
 # Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
-VARIANTS = (
+TRAIN_PHRASINGS = (
     "Running `{command}` gives `{error}`. It should print `{expected}`. {constraint}",
     "`{command}` is broken ({error}); make it print `{expected}`. {constraint}",
     "Please get `{command}` to work. It should output `{expected}`, but it fails: `{error}`. "
@@ -135,7 +135,7 @@ def build(ctx: Context) -> Draft:
                                                        expected_other)}
     command = f"python -m {pkg}.cli {data}"
     constraint = rng.choice(CONSTRAINTS).format(data=data)
-    instruction = phrase(ctx, PHRASES, VARIANTS, command=command, error=error,
+    instruction = phrase(ctx, PHRASES, TRAIN_PHRASINGS, command=command, error=error,
                          expected=expected, constraint=constraint, pkg=pkg)
     to_read = [f"{pkg}/cli.py"] + ([broken] if broken != f"{pkg}/cli.py" else [])
     turns = [turn("Let me run it and look at the traceback.", call("run_command", command=command)),

@@ -32,7 +32,7 @@ PHRASES = [
 ]
 
 # Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
-VARIANTS = (
+TRAIN_PHRASINGS = (
     "`{command}` stops with `{error}`. Fix it.",
     "Please fix {pkg}: `{command}` raises `{error}`.",
     "I ran `{command}` and got `{error}`. Make it run.",
@@ -131,7 +131,8 @@ def build(ctx: Context) -> Draft:
     hidden_tests = {hidden_path(caller.name): test_source(
         {f"{pkg}.{home}": [target.name], f"{pkg}.{user}": [caller.name]}, hidden)}
 
-    instruction = phrase(ctx, PHRASES, VARIANTS, command=command, error=brk.error, pkg=pkg)
+    instruction = phrase(ctx, PHRASES, TRAIN_PHRASINGS, command=command, error=brk.error,
+                         pkg=pkg)
     turns = _plan(ctx, brk, files, command, target.name,
                   f"{pkg}.{home}" if variant != "missing_stdlib" else None)
     summary = f"Fixed the import in {pkg}/{brk.broken}.py (`{brk.fix_line}`); `{command}` works."

@@ -30,7 +30,7 @@ PHRASES = [
 ]
 
 # Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
-VARIANTS = (
+TRAIN_PHRASINGS = (
     "{fn} in `{path}` has no body yet. Write it from its docstring.",
     "Please implement `{fn}` (it is in `{path}`); the docstring is the spec.",
     "The body of {fn} is empty (`{path}`). Make it do what the docstring says.",
@@ -91,7 +91,7 @@ def build(ctx: Context) -> Draft:
         {f"{pkg}.{mod}": [t.name for t in targets]}, hidden)}
 
     fn = " and ".join(f"`{t.name}`" for t in targets)
-    instruction = phrase(ctx, PHRASES, VARIANTS, fn=fn, path=path, pkg=pkg)
+    instruction = phrase(ctx, PHRASES, TRAIN_PHRASINGS, fn=fn, path=path, pkg=pkg)
 
     text = modules[mod]
     edits = []

@@ -35,7 +35,7 @@ PHRASES = [
 ]
 
 # Training-only phrasings (`repo.phrase` composes them with an opening and a closing)
-VARIANTS = (
+TRAIN_PHRASINGS = (
     "`{old}` should be called `{new}` from now on. Update the definition, the imports and the "
     "calls.",
     "Change the name of `{old}` to `{new}` in every module that mentions it.",
@@ -146,7 +146,7 @@ def build(ctx: Context) -> Draft:
                                                       f"import {pkg}.{home} as {home}_module"])
     hidden_tests = {hidden_path(new): hidden_src}
 
-    instruction = phrase(ctx, PHRASES, VARIANTS, old=old, new=new, pkg=pkg, path=path)
+    instruction = phrase(ctx, PHRASES, TRAIN_PHRASINGS, old=old, new=new, pkg=pkg, path=path)
     touched = sorted(p for p, text in files.items() if re.search(rf"\b{old}\b", text)
                      and not p.startswith("tests/"))
     # the rename is one substitution over the files the search lists, as a developer does it

@@ -44,12 +44,12 @@ class Phrase:
         return set(re.findall(r"{(\w+)", self.text))
 
 
-# Training-only phrasings composed from parts: an opening, one of a family's `VARIANTS` and a
-# closing. The fixed `PHRASES` are a handful of sentences per family, and a small model trained
-# on them keys on their wording (it copied the second backticked name of a rename whenever the
-# word "rename" was missing) instead of on the names, paths and values they carry: on held-out
-# phrasings it then failed whole families. The composed ones vary the words around the same
-# fields. Held-out phrasings are never built this way.
+# Training-only phrasings composed from parts: an opening, one of a family's `TRAIN_PHRASINGS`
+# and a closing. The fixed `PHRASES` are a handful of sentences per family, and a small model
+# trained on them keys on their wording (it copied the second backticked name of a rename
+# whenever the word "rename" was missing) instead of on the names, paths and values they carry:
+# on held-out phrasings it then failed whole families. The composed ones vary the words around
+# the same fields. Held-out phrasings are never built this way.
 OPENINGS = ("", "", "", "Hi! ", "Quick one: ", "Task for {pkg}: ", "In {pkg}: ", "Ticket: ",
             "Hello. ", "Working on {pkg} today. ", "Small request. ", "Next item: ")
 CLOSINGS = ("", "", "", " Thanks!", " Thank you.", " Keep the change small.",

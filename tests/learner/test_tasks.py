@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from random import Random
 
 import pytest
@@ -70,6 +71,34 @@ def test_held_out_phrasings_kernels_and_domains_never_appear_in_training():
     assert all(t.meta["phrase"][1] for t in heldout)
     assert any(heldout_kernels & set(t.meta["kernels_used"]) for t in heldout)
     assert any(t.meta["domain"] in heldout_domains for t in heldout)
+
+
+def test_composed_phrasings_change_only_the_words_of_training_tasks(monkeypatch):
+    from learner.tasks import _FAMILY_MODULES
+    composed = generate("train", 120, seed=4)
+    heldout = generate("heldout", 30, seed=4)
+    phrasings = {f: m.TRAIN_PHRASINGS for f, m in _FAMILY_MODULES.items()}
+    for family, texts in phrasings.items():         # each carries the task's facts
+        assert texts and all(len(re.findall(r"{\w+}", v)) >= 2 for v in texts), family
+    for module in _FAMILY_MODULES.values():
+        monkeypatch.setattr(module, "TRAIN_PHRASINGS", ())
+    fixed = generate("train", 120, seed=4)
+    assert [_key(t) for t in generate("heldout", 30, seed=4)] == [_key(t) for t in heldout]
+    changed = 0
+    for a, b in zip(composed, fixed):
+        assert (a.files, a.hidden_tests, a.solution) == (b.files, b.hidden_tests, b.solution)
+        if a.instruction != b.instruction:
+            changed += 1
+            assert a.meta["phrase"][0] >= len(_FAMILY_MODULES[a.family].PHRASES), a.id
+            assert a.meta["phrase"][1] is False, a.id
+            variant = phrasings[a.family][a.meta["phrase"][0]
+                                          - len(_FAMILY_MODULES[a.family].PHRASES)]
+            assert max(re.split(r"{\w+}", variant), key=len) in a.instruction, a.id
+    assert 40 <= changed <= 100                     # about `repo.VARIANT_SHARE` of them
+    texts = {p.text.split("{")[0] for m in _FAMILY_MODULES.values() for p in m.PHRASES
+             if p.heldout}
+    for t in composed:                              # no held-out sentence opens a composed one
+        assert not any(x and x in t.instruction for x in texts if len(x) > 12), t.id
 
 
 def test_surface_forms_vary_within_a_family():
