@@ -43,6 +43,8 @@ class SFTConfig:
         checkpoint_every=200))      # the optimization (5 min)
     tasks: int = 1500               # training-split instances solved by the oracle
     task_seed: int = 0              # generate("train", tasks, seed=task_seed)
+    phrasings: float = 0.0          # share of those whose instruction is composed from parts
+                                    # (`learner.tasks.repo.phrase`), not a fixed sentence
     summary_share: float = 0.15     # episodes run with a small window (summaries happen)
     small_window: tuple[int, int] = (2000, 2800)  # that window, drawn per episode
     context_window: int = 4096      # the model's window (every other episode)
@@ -249,6 +251,7 @@ class Chunk:
     slipped: list[int] = field(default_factory=list)    # the numbers played with a slip
     misfixed: list[int] = field(default_factory=list)   # ... with a typo'd fix (`with_misfix`)
     split: str = "train"
+    phrasings: float = 0.0          # `SFTConfig.phrasings`
 
 
 def _collect_chunk(chunk: Chunk) -> dict:
@@ -264,7 +267,8 @@ def _collect_chunk(chunk: Chunk) -> dict:
     tok = load_tokenizer(tokenizer_dir)
     template = ChatTemplate.from_pretrained(tokenizer_dir)
     eos = tok.special_tokens["<|im_end|>"]
-    all_tasks = sim.generate(chunk.split, max(numbers) + 1, seed=chunk.task_seed)
+    all_tasks = sim.generate(chunk.split, max(numbers) + 1, seed=chunk.task_seed,
+                             phrasings=chunk.phrasings)
     out = {"seqs": [], "episodes": 0, "passed": 0, "samples": 0, "merged": 0, "summaries": 0,
            "slips": 0, "misfixes": 0, "misfix_dropped": 0}
     with tempfile.TemporaryDirectory(prefix="apprentice-sft-") as home:
@@ -335,7 +339,7 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "tra
     numbers = list(range(n))
     k = max(1, min(n, config.workers or (os.cpu_count() or 2) - 1))
     chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped,
-                    misfixed, split) for i in range(k)]
+                    misfixed, split, config.phrasings) for i in range(k)]
     if k == 1:
         parts = [_collect_chunk(chunks[0])]
     else:

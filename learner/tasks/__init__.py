@@ -62,8 +62,11 @@ class TaskInstance:
 
 
 def generate(split: str, n: int, seed: int = 0, families: list[str] | None = None,
-             difficulty: int | None = None) -> list[TaskInstance]:
-    """`n` instances of `split`, families taken in turn; deterministic in all arguments."""
+             difficulty: int | None = None, phrasings: float = 0.0) -> list[TaskInstance]:
+    """`n` instances of `split`, families taken in turn; deterministic in all arguments.
+    `phrasings`: the share of training instances whose instruction is composed from parts
+    (`repo.phrase`) instead of one of the family's fixed sentences; the repositories are the
+    same either way."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     families = list(families or FAMILIES)
@@ -72,12 +75,12 @@ def generate(split: str, n: int, seed: int = 0, families: list[str] | None = Non
         raise ValueError(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     if not 0 <= n <= PER_SEED:
         raise ValueError(f"n must be between 0 and {PER_SEED}")
-    return [make_instance(families[j % len(families)], split, seed * PER_SEED + j, difficulty)
-            for j in range(n)]
+    return [make_instance(families[j % len(families)], split, seed * PER_SEED + j, difficulty,
+                          phrasings) for j in range(n)]
 
 
-def make_instance(family: str, split: str, number: int,
-                  difficulty: int | None = None) -> TaskInstance:
+def make_instance(family: str, split: str, number: int, difficulty: int | None = None,
+                  phrasings: float = 0.0) -> TaskInstance:
     """Instance `number` of `family` in `split` (its id names it: see `instance_from_id`)."""
     if difficulty is not None and difficulty not in (1, 2, 3):
         raise ValueError(f"difficulty must be 1, 2 or 3, got {difficulty!r}")
@@ -86,7 +89,7 @@ def make_instance(family: str, split: str, number: int,
     for attempt in range(MAX_ATTEMPTS):
         rng = Random(f"{family}:{base}:{attempt}")
         level = difficulty or rng.randint(1, 3)
-        ctx = Context(rng, split, level)
+        ctx = Context(rng, split, level, phrasings=phrasings)
         try:
             draft = module.build(ctx)
         except Retry:

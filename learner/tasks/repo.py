@@ -49,12 +49,14 @@ class Phrase:
 # trained on them keys on their wording (it copied the second backticked name of a rename
 # whenever the word "rename" was missing) instead of on the names, paths and values they carry:
 # on held-out phrasings it then failed whole families. The composed ones vary the words around
-# the same fields. Held-out phrasings are never built this way.
+# the same fields. Held-out phrasings are never built this way. Off unless asked for
+# (`generate(..., phrasings=0.6)`, `SFTConfig.phrasings`): r14, r13's recipe with 60 % composed,
+# scored 34 / 100 held-out against r13's 40 (renames 2 / 17 against 8), within what one SFT run
+# differs from another, but not a gain.
 OPENINGS = ("", "", "", "Hi! ", "Quick one: ", "Task for {pkg}: ", "In {pkg}: ", "Ticket: ",
             "Hello. ", "Working on {pkg} today. ", "Small request. ", "Next item: ")
 CLOSINGS = ("", "", "", " Thanks!", " Thank you.", " Keep the change small.",
             " Please check your work.", " Cheers.")
-VARIANT_SHARE = 0.6                            # of training instances, when the family has some
 
 
 def phrase(ctx: "Context", phrases: list[Phrase], variants: tuple[str, ...] = (),
@@ -63,7 +65,7 @@ def phrase(ctx: "Context", phrases: list[Phrase], variants: tuple[str, ...] = ()
     `ctx.phrase` records which one (an index past `phrases` for a composed one) and
     `ctx.template` its text.
 
-    In the training split, a share of the instances get a composed phrasing instead: an
+    In the training split, a share (`ctx.phrasings`) of the instances get a composed one: an
     opening, one of `variants` and a closing, drawn from a generator seeded by the instance's
     values, so `ctx.rng` draws what it drew before and the repository is the same. A variant
     names `{path}` exactly when the fixed phrasing it replaces does (an oracle that finds
@@ -75,12 +77,12 @@ def phrase(ctx: "Context", phrases: list[Phrase], variants: tuple[str, ...] = ()
         raise ValueError(f"no {ctx.split} phrasing for fields {sorted(values)}")
     index = ctx.rng.choice(pool)
     ctx.phrase, ctx.template = (index, phrases[index].heldout), phrases[index].text
-    if not heldout and variants and "{failing}" not in ctx.template:
+    if not heldout and variants and ctx.phrasings and "{failing}" not in ctx.template:
         side = Random(f"{ctx.template}|{sorted(values.items())}")
         named = "{path}" in ctx.template
         fits = [i for i, v in enumerate(variants) if ("{path}" in v) == named
                 and set(re.findall(r"{(\w+)", v)) <= set(values)]
-        if fits and side.random() < VARIANT_SHARE:
+        if fits and side.random() < ctx.phrasings:
             i = side.choice(fits)
             ctx.phrase = (len(phrases) + i, False)
             ctx.template = side.choice(OPENINGS) + variants[i] + side.choice(CLOSINGS)
@@ -205,6 +207,7 @@ class Context:
     used_kernels: set[str] = field(default_factory=set)
     phrase: tuple[int, bool] | None = None              # (index, heldout) of the phrasing used
     template: str = ""                                  # and its text, before filling in
+    phrasings: float = 0.0                              # share of composed phrasings (training)
 
     def __post_init__(self):
         if self.domain is None:
