@@ -8,7 +8,8 @@ hash of the relative path, so the same installation gives the same corpus and sp
 `train_bpe` learns byte-level BPE merges over pre-tokenized word counts (the words are what the
 tokenizer's own split regex, `CODE_PAT_STR` below, cuts the text into, as tiktoken does before
 merging): a heap of pair counts with lazy invalidation and a pair -> words index, so each merge
-touches only the words that contain the pair. Merge i becomes rank 256 + i, which is what tiktoken applies.
+touches only the words that contain the pair. Merge i becomes rank 256 + i, which is what
+tiktoken applies.
 Chat and tool-call markers are added tokens (not learned), the way Qwen2.5 has them.
 
 It does not read HF `tokenizers` files or use that library; loading is `load_tokenizer`'s job.

@@ -81,7 +81,7 @@ def phrase(ctx: "Context", phrases: list[Phrase], variants: tuple[str, ...] = ()
         side = Random(f"{ctx.template}|{sorted(values.items())}")
         named = "{path}" in ctx.template
         fits = [i for i, v in enumerate(variants) if ("{path}" in v) == named
-                and set(re.findall(r"{(\w+)", v)) <= set(values)]
+                and Phrase(v).fields() <= set(values)]
         if fits and side.random() < ctx.phrasings:
             i = side.choice(fits)
             ctx.phrase = (len(phrases) + i, False)

@@ -512,7 +512,8 @@ def test_a_name_is_the_same_tokens_in_a_path_a_module_and_an_import(tmp_path):
     prints (`pkg/name.py`) is the ids the import needs (`from .name`, `pkg.name`), where
     Qwen2's split makes `/name` and `.name` words of their own."""
     import regex
-    forms = ("rota/availability.py", "from rota.availability import x", "from .availability import x")
+    forms = ("rota/availability.py", "from rota.availability import x",
+             "from .availability import x")
     assert [w for f in forms for w in regex.findall(DEFAULT_PAT_STR, f) if "avail" in w] == \
         ["/availability", ".availability", "availability"]      # three different words
     config = ts.TokenizerConfig(vocab_size=600, train_bytes=40_000)

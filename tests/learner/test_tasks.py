@@ -8,7 +8,8 @@ from random import Random
 
 import pytest
 
-from learner.tasks import (FAMILIES, Retry, generate, grade, instance_from_id, make_instance)
+from learner.tasks import (_FAMILY_MODULES, FAMILIES, Retry, generate, grade, instance_from_id,
+                           make_instance)
 from learner.tasks.kernels import KERNELS
 from learner.tasks.repo import differs, outcome
 from learner.tasks.vocab import DOMAINS
@@ -74,7 +75,6 @@ def test_held_out_phrasings_kernels_and_domains_never_appear_in_training():
 
 
 def test_composed_phrasings_change_only_the_words_of_training_tasks():
-    from learner.tasks import _FAMILY_MODULES
     composed = generate("train", 120, seed=4, phrasings=0.6)
     fixed = generate("train", 120, seed=4)
     heldout = generate("heldout", 30, seed=4)
