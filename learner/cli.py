@@ -214,13 +214,23 @@ def _run_dir(run_dir: Path | None) -> Path:
     return run_dir or Path(default_home()) / "runs" / "grpo"
 
 
+def _task_spec(ctx, param, value: str) -> str:
+    from learner.config import parse_task_spec
+    try:
+        parse_task_spec(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
 @learn.command()
 @click.option("--model", default="default", show_default=True,
               help="Starting checkpoint: a model directory, or 'default' for the bundled one.")
-@click.option("--tasks", "family", type=click.Choice(["sim", "toy"]), default="sim",
-              show_default=True, help="Task family: simulated coding tasks, or 'toy' (one model "
-                                      "call, reward = share of tokens starting with a-m; a "
-                                      "smoke test).")
+@click.option("--tasks", "family", default="sim", show_default=True, callback=_task_spec,
+              help="Task family: simulated coding tasks ('sim', or e.g. "
+                   "'sim:seed=3,phrasings=0.6' for other instances and composed wordings), or "
+                   "'toy' (one model call, reward = share of tokens starting with a-m; a smoke "
+                   "test).")
 @click.option("--group", type=click.IntRange(2), default=_ROLLOUT.group_size, show_default=True,
               help="Episodes per task (G); advantages are relative to the group.")
 @click.option("--steps", type=click.IntRange(1), default=_PIPELINE.steps, show_default=True,

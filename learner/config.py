@@ -100,11 +100,40 @@ class RayConfig:
 @dataclass
 class RunConfig:
     model: str = "default"          # checkpoint directory or "default"
-    tasks: str = "sim"              # task family: "sim" (learner.tasks) or "toy" (parity)
+    tasks: str = "sim"              # task family: "sim" (learner.tasks; settings as in
+                                    # "sim:seed=3,phrasings=0.6", `parse_task_spec`) or "toy"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)    # see TrainerConfig
     rollout: RolloutConfig = field(default_factory=RolloutConfig)    # see RolloutConfig
     pipeline: PipelineConfig = field(default_factory=PipelineConfig) # see PipelineConfig
     ray: RayConfig = field(default_factory=RayConfig)                # see RayConfig
+
+
+def parse_task_spec(name: str, seed: int = 0) -> tuple[str, dict]:
+    """("toy", {}) or ("sim", {"seed": N, "phrasings": X}) from a task spec: "toy", or "sim"
+    with optional settings after a colon, "sim:seed=3,phrasings=0.6". `seed` is the generator
+    seed of the instances (default: the run's `seed`; the recipe's SFT data is seed 0, so
+    another seed gives tasks the SFT model never saw), `phrasings` the share of them whose
+    instruction is composed from parts (`learner.tasks.generate`: wordings SFT did not see).
+    ValueError, saying what is accepted, for anything else."""
+    family, _, spec = name.partition(":")
+    if family == "toy" and not spec:
+        return "toy", {}
+    if family != "sim":
+        raise ValueError(f"unknown task family {name!r}: sim, sim:seed=N,phrasings=SHARE, "
+                         "or toy")
+    settings: dict = {"seed": seed, "phrasings": 0.0}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            if key not in settings:
+                raise ValueError
+            settings[key] = int(value) if key == "seed" else float(value)
+        except ValueError:
+            raise ValueError(f"bad task setting {item!r} in {name!r}: the settings are "
+                             "seed=N and phrasings=SHARE, e.g. sim:seed=3,phrasings=0.6") from None
+    if not 0.0 <= settings["phrasings"] <= 1.0:
+        raise ValueError(f"phrasings must be between 0 and 1 in {name!r}")
+    return "sim", settings
 
 
 def to_dict(config: Any) -> dict:

@@ -13,7 +13,8 @@ groups_per_step * (max_staleness + 1) are waiting or running, so they never run 
 ahead than the bound allows. Synchronous: generate a batch with the current version, train
 on it, repeat (for comparison).
 
-Task families: "sim" (`learner.tasks` + `learner.rollout`) and "toy" (`learner.toy`: one
+Task families: "sim" (`learner.tasks` + `learner.rollout`; "sim:seed=3,phrasings=0.6" for other
+instances and composed wordings, `learner.config.parse_task_spec`) and "toy" (`learner.toy`: one
 model call with a trivially learnable reward, for tests and benchmarks).
 
 Not here: the loss (`grpo.py`) and the update, checkpoints and publishing (`trainer.py`).
@@ -36,7 +37,7 @@ import torch.multiprocessing as mp
 
 from agent_runtime.policies.base import batches
 from agent_runtime.policies.following import FollowingPolicy
-from learner.config import RolloutConfig, RunConfig
+from learner.config import RolloutConfig, RunConfig, parse_task_spec
 from learner.curriculum import FamilyCurriculum
 from learner.grpo import Episode, Group, group_samples
 from learner.trainer import Trainer
@@ -65,15 +66,17 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
                  [store.samples(e.session_id) for e in eps])
 
 
+SIM_TASKS = 256                 # training instances a "sim" run cycles through
+
+
 def task_family(name: str, seed: int = 0) -> tuple[list[Any], GroupRunner]:
-    """The training tasks and group runner of a family ("sim" or "toy")."""
-    if name == "toy":
+    """The training tasks and group runner of a task spec (`parse_task_spec`)."""
+    family, settings = parse_task_spec(name, seed)
+    if family == "toy":
         from learner.toy import run_toy_group, toy_tasks
         return toy_tasks(64, seed), run_toy_group
-    if name == "sim":
-        from learner import tasks
-        return tasks.generate("train", 256, seed=seed), run_sim_group
-    raise ValueError(f"unknown task family {name!r} (sim or toy)")
+    from learner import tasks
+    return tasks.generate("train", SIM_TASKS, **settings), run_sim_group
 
 
 # -- weights ------------------------------------------------------------------------------------

@@ -52,6 +52,10 @@ class GRPOStageConfig:
     seed: int = 0
     curriculum: bool = True         # draw task families the model both passes and fails
                                     # (`learner.curriculum`): most groups otherwise train nothing
+    task_seed: int | None = None    # generator seed of the training tasks (None: `seed`, the
+                                    # SFT data's own first instances; another seed: fresh ones)
+    phrasings: float = 0.0          # share of them with composed instructions (wordings SFT
+                                    # did not see; `learner.tasks.generate`)
 
 
 @dataclass
@@ -202,6 +206,14 @@ def _start(out: Path) -> Path:
     return rft if (rft / "config.json").exists() else out / "sft" / "model"
 
 
+def grpo_tasks(g: GRPOStageConfig) -> str:
+    """The pipeline's task spec for the stage (`learner.pipeline.task_family`)."""
+    if g.task_seed is None and not g.phrasings:
+        return "sim"
+    seed = g.seed if g.task_seed is None else g.task_seed
+    return f"sim:seed={seed},phrasings={g.phrasings}"
+
+
 def _grpo(out: Path, config: RecipeConfig, log) -> dict:
     """GRPO with the learner's pipeline (router replay on) from the RFT (else SFT) checkpoint."""
     from agent_runtime.policies.engine import EnginePolicy
@@ -217,7 +229,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
     start = _start(out)
     run_dir = out / "grpo" / "run"
     cfg = lc.RunConfig(
-        model=str(start), tasks="sim",
+        model=str(start), tasks=grpo_tasks(g),
         trainer=lc.TrainerConfig(optim=lc.OptimConfig(lr=g.lr), router_replay=True,
                                  temperature=g.temperature, device=device, seed=g.seed,
                                  checkpoint_every=5, precision="auto"),

@@ -198,3 +198,26 @@ def test_the_curriculum_draws_the_family_the_policy_both_passes_and_fails(ckpt, 
     plain = pipeline.Pipeline(base.trainer, base.policies, tasks, runner, store,
                               config(ckpt, "sync", steps=1))
     assert plain.curriculum is None and plain._next_index() == 0 and plain._next_index() == 1
+
+
+def test_sim_task_settings_give_other_instances_and_composed_wordings():
+    plain, _ = pipeline.task_family("sim")
+    fresh, _ = pipeline.task_family("sim:seed=3")
+    worded, _ = pipeline.task_family("sim:seed=3,phrasings=1")
+    assert len(plain) == len(fresh) == pipeline.SIM_TASKS
+    assert not {t.id for t in plain} & {t.id for t in fresh}          # the SFT data is seed 0
+    assert [t.id for t in worded] == [t.id for t in fresh]
+    assert [t.files for t in worded] == [t.files for t in fresh]      # only the words differ
+    changed = sum(a.instruction != b.instruction for a, b in zip(fresh, worded))
+    assert changed > len(fresh) // 2
+    for bad in ("sim:seed=x", "sim:steps=3", "sim:phrasings=1.5", "toy:seed=1", "simulated"):
+        with pytest.raises(ValueError):
+            pipeline.task_family(bad)
+
+
+def test_learn_grpo_rejects_a_bad_task_spec_before_loading_anything():
+    from click.testing import CliRunner
+    from agent_runtime.cli import main
+    result = CliRunner().invoke(main, ["learn", "grpo", "--tasks", "sim:seeds=3"])
+    assert result.exit_code == 2
+    assert "seed=N and phrasings=SHARE" in result.output

@@ -676,3 +676,13 @@ def test_an_unknown_stage_is_an_error_not_a_skipped_stage(tmp_path):
     with pytest.raises(ValueError, match="unknown recipe stage.*sfft.*sft_data"):
         run_recipe(tmp_path / "r", RECIPES["toy"](), ("tokenizer", "sfft"))
     assert not (tmp_path / "r").exists()
+
+
+def test_the_grpo_stage_can_train_on_fresh_tasks_with_composed_wordings():
+    from learner.config import parse_task_spec
+    from learner.recipe.stages import GRPOStageConfig, grpo_tasks
+    assert grpo_tasks(GRPOStageConfig()) == "sim"              # the SFT data's own instances
+    spec = grpo_tasks(GRPOStageConfig(task_seed=7, phrasings=0.5))
+    assert parse_task_spec(spec) == ("sim", {"seed": 7, "phrasings": 0.5})
+    assert parse_task_spec(grpo_tasks(GRPOStageConfig(seed=2, phrasings=0.25))) == (
+        "sim", {"seed": 2, "phrasings": 0.25})
