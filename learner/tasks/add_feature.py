@@ -67,10 +67,11 @@ def build(ctx: Context) -> Draft:
     cases = ctx.cases(feature, 6)
     params = re.match(r"def \w+\((.*)\):", feature.raw).group(1)
     sig = f"{feature.name}({params})"
-    example = ""
+    example, shown = "", cases[:1]
     if d < 3 or rng.random() < 0.5:
         pool = cases[len(feature.kernel.edge):] or cases
-        args, (_, value) = min(pool, key=lambda c: len(repr(c)))
+        shown = [min(pool, key=lambda c: len(repr(c)))]
+        args, (_, value) = shown[0]
         example = f"For example, `{feature.call(args)}` returns `{value!r}`. "
     test_path = f"tests/test_{feature.name}.py"
     where = {1: f" in `{test_path}`", 2: rng.choice(["", " under `tests/`"]), 3: ""}[d]
@@ -107,8 +108,9 @@ def build(ctx: Context) -> Draft:
         content = module_source(doc, [f.code for f in existing + [feature]],
                                 func_imports(existing + [feature]))
         edits = [call("write_file", path=path, content=content)]
-    test_cases = cases[:3]
-    test_body = "".join(assert_line(feature.call(a), r) for a, r in test_cases)
+    # the test asserts the task's own example: copied, where other cases would be values the
+    # model must compute, and one wrong expected value fails the whole suite
+    test_body = "".join(assert_line(feature.call(a), r) for a, r in shown)
     user_test = test_source({f"{pkg}.{mod}": [feature.name]},
                             [(f"test_{feature.name}", test_body)])
     edits.append(call("write_file", path=test_path, content=user_test))
