@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,8 @@ class SFTConfig:
                                     # (`pretrain.copy_window`, as long as the episodes)
     slip_share: float = 0.0         # share of the episodes with one slip and its recovery
                                     # (`with_slip`; the slip itself is not trained on)
+    grep_slips: bool = False        # a slip may also be a search that finds nothing (a name
+                                    # the code does not have yet, or a typo) and its recovery
     misfix_share: float = 0.0       # share of the episodes whose fix first goes in with a typo,
                                     # the check fails, and the next turn repairs it
                                     # (`with_misfix`; the typo'd edit is not trained on)
@@ -81,7 +84,7 @@ class RecordingOracle(OraclePolicy):
     such turns, which the data masks out."""
 
     def __init__(self, task, tokenizer, template, context_window: int, slip: bool = False,
-                 misfix: bool = False):
+                 misfix: bool = False, grep_slips: bool = False):
         super().__init__(task, context_window=context_window)
         self.tokenizer, self.template = tokenizer, template
         self.slips: set[str] = set()
@@ -90,7 +93,10 @@ class RecordingOracle(OraclePolicy):
             self.turns, self.slips, self.misfix = with_misfix(self.turns,
                                                               random.Random(f"misfix:{task.id}"))
         elif slip:
-            self.turns, self.slips = with_slip(self.turns, random.Random(task.id))
+            self.turns, self.slips = with_slip(
+                self.turns, random.Random(task.id), **({"files": task.files,
+                                                        "task_text": task.instruction}
+                                                       if grep_slips else {}))
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
@@ -156,25 +162,38 @@ def _garble(text: str, rng: random.Random) -> str:
     return text[:i] + text[i + 1:] if rng.random() < 0.5 else text[:i] + text[i] + text[i:]
 
 
-def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]]:
+def with_slip(turns: list[str], rng: random.Random, files: dict | None = None,
+              task_text: str = "") -> tuple[list[str], set[str]]:
     """The oracle's turns with one slip inserted: before a turn that edits or reads a file, a
     turn making only that call with its `old` text or path garbled (the tool then answers with
     an error: `old` not found and the closest text, or no such file), and the turn itself
     opening with a sentence that recovers. Teaches reading the error and copying again; the
     slip turn is returned in the set so the data does not train on it. Unchanged turns and an
-    empty set when no turn qualifies."""
+    empty set when no turn qualifies.
+
+    Given the task's starting `files` (and its text), a `grep` can slip too: it searches for a
+    name the task gives that nothing in the code has yet (a rename's new name), else for the
+    pattern with a letter dropped or doubled, gets "[no matches ...]", and the recovery says so
+    and searches for the plan's pattern: a search that finds nothing is a reason to search
+    for the other name, not to guess (r13 searched for the new name on a held-out rename
+    wording and then edited test files until its steps ran out)."""
     from agent_runtime.toolcalls import parse_tool_calls
     from learner.tasks.oracle import render_turn
+    fields = {"edit_file": "old", "read_file": "path"}
+    if files is not None:
+        fields["grep"] = "pattern"
     spots = []
     for i, text in enumerate(turns):
         for call in parse_tool_calls(text).calls:
-            field = {"edit_file": "old", "read_file": "path"}.get(call.name)
+            field = fields.get(call.name)
             if field and len(str((call.arguments or {}).get(field, ""))) >= 6:
                 spots.append((i, call, field))
     if not spots:
         return turns, set()
     i, call, field = rng.choice(spots)
     args = dict(call.arguments)
+    if field == "pattern":
+        return _grep_slip(turns, i, call, files, task_text, rng)
     head, _, base = args[field].rpartition("/") if field == "path" else ("", "", args[field])
     garbled = _garble(base, rng)
     if not garbled:
@@ -183,6 +202,35 @@ def with_slip(turns: list[str], rng: random.Random) -> tuple[list[str], set[str]
     say = turns[i].split("<tool_call>", 1)[0].strip()
     slip = render_turn(say, [{"name": call.name, "arguments": args}])
     recover = rng.choice(RECOVER_SAY[call.name])
+    fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
+    return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
+
+
+GREP_RECOVER_SAY = {
+    "absent": ["No matches: nothing is called `{wrong}` yet. Searching for `{right}`.",
+               "`{wrong}` is not in the code yet; the name to search for is `{right}`.",
+               "Nothing uses `{wrong}` so far. Looking for `{right}` instead."],
+    "typo": ["No matches: I mistyped the name. Searching for `{right}`.",
+             "That pattern has a typo; searching for `{right}` again.",
+             "Nothing matched my misspelt pattern. Searching for `{right}`."],
+}
+
+
+def _grep_slip(turns: list[str], i: int, call, files: dict, task_text: str,
+               rng: random.Random) -> tuple[list[str], set[str]]:
+    """`with_slip` on the `grep` of turn `i`: a search that finds nothing, then the plan's."""
+    from learner.tasks.oracle import render_turn
+    right = str(call.arguments["pattern"])
+    texts = [t for t in files.values() if isinstance(t, str)]
+    absent = [n for n in dict.fromkeys(re.findall(r"`([A-Za-z_]\w{2,})`", task_text))
+              if n != right and not any(n in t for t in texts)]
+    kind = "absent" if absent and rng.random() < 0.7 else "typo"
+    wrong = rng.choice(absent) if kind == "absent" else _garble(right, rng)
+    if not wrong or any(wrong in t for t in texts):
+        return turns, set()
+    say = turns[i].split("<tool_call>", 1)[0].strip()
+    slip = render_turn(say, [{"name": "grep", "arguments": {**call.arguments, "pattern": wrong}}])
+    recover = rng.choice(GREP_RECOVER_SAY[kind]).format(wrong=wrong, right=right)
     fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
     return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
 
@@ -252,6 +300,7 @@ class Chunk:
     misfixed: list[int] = field(default_factory=list)   # ... with a typo'd fix (`with_misfix`)
     split: str = "train"
     phrasings: float = 0.0          # `SFTConfig.phrasings`
+    grep_slips: bool = False        # `SFTConfig.grep_slips`
 
 
 def _collect_chunk(chunk: Chunk) -> dict:
@@ -276,7 +325,7 @@ def _collect_chunk(chunk: Chunk) -> dict:
         for number, window in zip(numbers, windows):
             task = all_tasks[number]
             policy = RecordingOracle(task, tok, template, window, slip=number in slipped,
-                                     misfix=number in misfixed)
+                                     misfix=number in misfixed, grep_slips=chunk.grep_slips)
             try:
                 ep = run_episode(policy, task, store, max_steps=30)
             except Exception:                   # a broken instance must not stop the stage
@@ -339,7 +388,7 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "tra
     numbers = list(range(n))
     k = max(1, min(n, config.workers or (os.cpu_count() or 2) - 1))
     chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped,
-                    misfixed, split, config.phrasings) for i in range(k)]
+                    misfixed, split, config.phrasings, config.grep_slips) for i in range(k)]
     if k == 1:
         parts = [_collect_chunk(chunks[0])]
     else:

@@ -686,3 +686,32 @@ def test_the_grpo_stage_can_train_on_fresh_tasks_with_composed_wordings():
     assert parse_task_spec(spec) == ("sim", {"seed": 7, "phrasings": 0.5})
     assert parse_task_spec(grpo_tasks(GRPOStageConfig(seed=2, phrasings=0.25))) == (
         "sim", {"seed": 2, "phrasings": 0.25})
+
+
+def test_a_grep_slip_searches_for_a_name_the_code_lacks_then_for_the_plans():
+    from agent_runtime.toolcalls import parse_tool_calls
+    from learner.recipe.sft import with_slip
+    from learner.tasks.oracle import script
+    renames = [t for t in sim.generate("train", 60) if t.family == "rename_symbol"]
+    kinds = set()
+    for task in renames:
+        turns = script(task)
+        out, slips = with_slip(turns, random.Random(task.id), task.files, task.instruction)
+        if not slips:
+            continue
+        i = out.index(next(iter(slips)))
+        slip, = parse_tool_calls(out[i]).calls
+        if slip.name != "grep":
+            continue
+        plan, = [c for c in parse_tool_calls(turns[i]).calls]
+        wrong, right = slip.arguments["pattern"], plan.arguments["pattern"]
+        assert wrong != right and not any(wrong in t for t in task.files.values())
+        kinds.add("new name" if wrong == task.meta["new"] else "typo")
+        assert f"`{right}`" in out[i + 1].split("<tool_call>")[0]    # the recovery names it
+        assert [c.arguments for c in parse_tool_calls(out[i + 1]).calls] == [plan.arguments]
+        assert out[:i] + out[i + 2:] == turns[:i] + turns[i + 1:]
+    assert kinds == {"new name", "typo"}
+    # without the files, no grep is ever chosen (the default data is as it was)
+    for task in renames:
+        out, slips = with_slip(script(task), random.Random(task.id))
+        assert all(parse_tool_calls(s).calls[0].name != "grep" for s in slips)
