@@ -45,15 +45,18 @@ MAX_WORD_BYTES = 64            # longer pre-tokenized words are left out of the 
 # letters or underscores (an identifier is one word, its pieces left to the merges), and
 # punctuation stays in runs of its own: a name is the same ids wherever it appears. On the
 # recipe's corpus: 3.13 bytes a token on held-out code against 3.26.
-# Code inside a tool call is a JSON string, so its line breaks are the two characters `\n`.
-# Punctuation runs used to take a line break with them (`):` + newline one word) and a
-# backslash too (`):\` `n`, then `\ndef`), so a line copied from a file into an edit's
-# `old`, or a kernel body written into `new`, was a different token sequence from the same
-# code in the file (80 tokens against 43 for a 7-line function). Here an escape (`\n`, `\"`,
-# `\t`, `\\`) is a word of its own and punctuation takes no line break: the escaped code is the
-# file's tokens with each newline replaced by one `\n` (7.8 % more words on library code).
-CODE_PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|\\[nrt"\\]| ?[\p{L}_]+|\p{N}"""
-                r"""| ?[^\s\p{L}\p{N}_\\]+|\\|\s*[\r\n]+|\s+(?!\S)|\s+""")
+CODE_PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)| ?[\p{L}_]+|\p{N}"""
+                r"""| ?[^\s\p{L}\p{N}_]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# An alternative (`r15`, not the default): code inside a tool call is a JSON string, so its line
+# breaks are the two characters `\n`, and CODE_PAT_STR's punctuation runs take a line break
+# with them (`):` + newline one word) and a backslash too (`):\` `n`, then `\ndef`): a line
+# copied from a file into an edit's `old` is a different token sequence from the same code in
+# the file (80 tokens against 43 for a 7-line function). ESCAPE_PAT_STR makes an escape (`\n`,
+# `\"`, `\t`, `\\`) a word of its own and lets punctuation take no line break, so escaped code
+# is the file's tokens with each newline one `\n` (7.8 % more words on library code). `r15`
+# used it and scored as `r13` did (README, "Runs after `r13`").
+ESCAPE_PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|\\[nrt"\\]| ?[\p{L}_]+|\p{N}"""
+                  r"""| ?[^\s\p{L}\p{N}_\\]+|\\|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 @dataclass

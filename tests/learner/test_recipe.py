@@ -715,3 +715,15 @@ def test_a_grep_slip_searches_for_a_name_the_code_lacks_then_for_the_plans():
     for task in renames:
         out, slips = with_slip(script(task), random.Random(task.id))
         assert all(parse_tool_calls(s).calls[0].name != "grep" for s in slips)
+
+
+def test_the_escape_split_makes_json_escaped_code_the_files_words():
+    import json
+    import regex
+    code = 'def f(widths):\n    for w in widths:\n        out.append(w)\n    return out\n'
+    words = regex.findall(ts.ESCAPE_PAT_STR, code)
+    escaped = regex.findall(ts.ESCAPE_PAT_STR, json.dumps(code)[1:-1])
+    assert words == ["\n" if w == "\\n" else w for w in escaped]     # newline <-> `\n`
+    assert "):" in escaped and "\\n" in escaped                 # no `):\` or `\ndef` words
+    assert regex.findall(ts.CODE_PAT_STR, "f(x):\\ndef") != regex.findall(ts.ESCAPE_PAT_STR,
+                                                                          "f(x):\\ndef")
