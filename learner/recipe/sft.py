@@ -93,10 +93,9 @@ class RecordingOracle(OraclePolicy):
             self.turns, self.slips, self.misfix = with_misfix(self.turns,
                                                               random.Random(f"misfix:{task.id}"))
         elif slip:
-            self.turns, self.slips = with_slip(
-                self.turns, random.Random(task.id), **({"files": task.files,
-                                                        "task_text": task.instruction}
-                                                       if grep_slips else {}))
+            self.turns, self.slips = with_slip(self.turns, random.Random(task.id),
+                                               task.files if grep_slips else None,
+                                               task.instruction)
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
@@ -193,15 +192,19 @@ def with_slip(turns: list[str], rng: random.Random, files: dict | None = None,
     i, call, field = rng.choice(spots)
     args = dict(call.arguments)
     if field == "pattern":
-        return _grep_slip(turns, i, call, files, task_text, rng)
-    head, _, base = args[field].rpartition("/") if field == "path" else ("", "", args[field])
-    garbled = _garble(base, rng)
-    if not garbled:
-        return turns, set()
-    args[field] = f"{head}/{garbled}" if head else garbled
+        wrong, recover = _grep_slip(str(args[field]), files, task_text, rng)
+        if not wrong:
+            return turns, set()
+        args[field] = wrong
+    else:
+        head, _, base = args[field].rpartition("/") if field == "path" else ("", "", args[field])
+        garbled = _garble(base, rng)
+        if not garbled:
+            return turns, set()
+        args[field] = f"{head}/{garbled}" if head else garbled
+        recover = rng.choice(RECOVER_SAY[call.name])
     say = turns[i].split("<tool_call>", 1)[0].strip()
     slip = render_turn(say, [{"name": call.name, "arguments": args}])
-    recover = rng.choice(RECOVER_SAY[call.name])
     fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
     return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
 
@@ -216,23 +219,18 @@ GREP_RECOVER_SAY = {
 }
 
 
-def _grep_slip(turns: list[str], i: int, call, files: dict, task_text: str,
-               rng: random.Random) -> tuple[list[str], set[str]]:
-    """`with_slip` on the `grep` of turn `i`: a search that finds nothing, then the plan's."""
-    from learner.tasks.oracle import render_turn
-    right = str(call.arguments["pattern"])
+def _grep_slip(right: str, files: dict, task_text: str, rng: random.Random
+               ) -> tuple[str, str]:
+    """`with_slip` on a `grep` for `right`: the pattern that finds nothing in `files` and the
+    sentence that recovers, or ("", "") when the drawn pattern would find something."""
     texts = [t for t in files.values() if isinstance(t, str)]
     absent = [n for n in dict.fromkeys(re.findall(r"`([A-Za-z_]\w{2,})`", task_text))
               if n != right and not any(n in t for t in texts)]
     kind = "absent" if absent and rng.random() < 0.7 else "typo"
     wrong = rng.choice(absent) if kind == "absent" else _garble(right, rng)
     if not wrong or any(wrong in t for t in texts):
-        return turns, set()
-    say = turns[i].split("<tool_call>", 1)[0].strip()
-    slip = render_turn(say, [{"name": "grep", "arguments": {**call.arguments, "pattern": wrong}}])
-    recover = rng.choice(GREP_RECOVER_SAY[kind]).format(wrong=wrong, right=right)
-    fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
-    return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
+        return "", ""
+    return wrong, rng.choice(GREP_RECOVER_SAY[kind]).format(wrong=wrong, right=right)
 
 
 MISFIX_SAY = ["That did not fix it: my edit has a typo. Correcting it.",
