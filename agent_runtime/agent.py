@@ -31,6 +31,7 @@ from agent_runtime.context import (DEFAULT_SUMMARY_INSTRUCTION, SUMMARY_REQUEST,
 from agent_runtime import names
 from agent_runtime.names import ORIGIN_USER
 from agent_runtime.callgrammar import CallGrammar, WorkspaceView
+from agent_runtime.mentions import with_mentions, workspace_files
 from agent_runtime.policies.base import Completion, Policy, constrains
 from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, tool_schema
@@ -68,6 +69,9 @@ class AgentConfig:
                                                # calls that can run: valid JSON, known tools
                                                # and arguments, existing paths, `old` text
                                                # from the file (agent_runtime.callgrammar)
+    mentions: bool | None = None               # append where the task's names are defined
+                                               # (agent_runtime.mentions); None: when the
+                                               # policy was trained with it (`policy.mentions`)
 
     def context_config(self) -> ContextConfig:
         return ContextConfig(summarize_at=self.summarize_at,
@@ -173,7 +177,11 @@ class Agent:
             meta={"context_window": self.policy.context_window,
                   "max_steps": self.config.max_steps, "tools": sorted(self.tools)},
             session_id=session_id, origin=self.config.origin, learn=self.config.learn)
-        self.context = Context(self.config.system_prompt, task,
+        shown = task
+        wanted = self.config.mentions
+        if wanted if wanted is not None else getattr(self.policy, "mentions", False):
+            shown = with_mentions(task, workspace_files(self.workspace))
+        self.context = Context(self.config.system_prompt, shown,
                                config=self.config.context_config())
         with self.store.transaction():
             for message in self.context.head:
@@ -431,7 +439,9 @@ class Agent:
         system = next((r["content"] for r in rows if r["role"] == "system"),
                       self.config.system_prompt)
         latest = self.store.segments(self.session_id)[-1]
-        context = Context(system, session["task"], summary=latest["summary"],
+        task = next((r["content"] for r in rows if (r["meta"] or {}).get("kind") == names.KIND_TASK),
+                    session["task"])               # as the policy saw it (with its mentions)
+        context = Context(system, task, summary=latest["summary"],
                           segment=latest["idx"], config=self.config.context_config())
         skip = {"task", "summary", SUMMARY_REQUEST}
         self._turn_ids: list[int] = []         # store ids of context.turns, for the repair

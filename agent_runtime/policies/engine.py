@@ -71,6 +71,8 @@ class EnginePolicy:
         self.name, self.version = name, version
         self.config = config or EngineConfig()
         self.context_window = model.args.max_position
+        # trained with the task's names looked up (agent_runtime.mentions): the loop adds them
+        self.mentions = bool(model.hf_config.get("apprentice_mentions"))
         self._lock = threading.Lock()
         self._tokens: TokenBytes | None = None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)

@@ -64,6 +64,8 @@ class SFTConfig:
                                     # (`with_slip`; the slip itself is not trained on)
     grep_slips: bool = False        # a slip may also be a search that finds nothing (a name
                                     # the code does not have yet, or a typo) and its recovery
+    mentions: bool = False          # tasks show where their names are defined
+                                    # (agent_runtime.mentions); the model is saved saying so
     misfix_share: float = 0.0       # share of the episodes whose fix first goes in with a typo,
                                     # the check fails, and the next turn repairs it
                                     # (`with_misfix`; the typo'd edit is not trained on)
@@ -84,8 +86,8 @@ class RecordingOracle(OraclePolicy):
     such turns, which the data masks out."""
 
     def __init__(self, task, tokenizer, template, context_window: int, slip: bool = False,
-                 misfix: bool = False, grep_slips: bool = False):
-        super().__init__(task, context_window=context_window)
+                 misfix: bool = False, grep_slips: bool = False, mentions: bool = False):
+        super().__init__(task, context_window=context_window, mentions=mentions)
         self.tokenizer, self.template = tokenizer, template
         self.slips: set[str] = set()
         self.misfix: dict | None = None         # the typo'd edit call, when one was played
@@ -299,6 +301,7 @@ class Chunk:
     split: str = "train"
     phrasings: float = 0.0          # `SFTConfig.phrasings`
     grep_slips: bool = False        # `SFTConfig.grep_slips`
+    mentions: bool = False          # `SFTConfig.mentions`
 
 
 def _collect_chunk(chunk: Chunk) -> dict:
@@ -323,7 +326,8 @@ def _collect_chunk(chunk: Chunk) -> dict:
         for number, window in zip(numbers, windows):
             task = all_tasks[number]
             policy = RecordingOracle(task, tok, template, window, slip=number in slipped,
-                                     misfix=number in misfixed, grep_slips=chunk.grep_slips)
+                                     misfix=number in misfixed, grep_slips=chunk.grep_slips,
+                                     mentions=chunk.mentions)
             try:
                 ep = run_episode(policy, task, store, max_steps=30)
             except Exception:                   # a broken instance must not stop the stage
@@ -386,7 +390,8 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "tra
     numbers = list(range(n))
     k = max(1, min(n, config.workers or (os.cpu_count() or 2) - 1))
     chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped,
-                    misfixed, split, config.phrasings, config.grep_slips) for i in range(k)]
+                    misfixed, split, config.phrasings, config.grep_slips, config.mentions)
+              for i in range(k)]
     if k == 1:
         parts = [_collect_chunk(chunks[0])]
     else:
@@ -573,6 +578,8 @@ def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
                                  transform)
     result = train_lm(model, batch, config.train, out / "state", device, log=log)
     model.to("cpu")
+    if config.mentions:                         # EnginePolicy.mentions: the loop adds the block
+        model.hf_config["apprentice_mentions"] = True
     save_model(model, out / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)
     copy_tokenizer(start_dir, out / "model")
     return {"sequences": len(seqs), "device": device, "seconds": result["seconds"],

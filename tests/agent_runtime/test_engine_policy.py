@@ -88,3 +88,12 @@ def test_a_call_that_loops_is_sampled_again_hotter(tmp_path):
     plain.stop_token_ids = []
     c = plain.complete(MESSAGES)
     assert c.finish_reason == "loop" and c.temperature == 0.0 and len(c.completion_ids) == 16
+
+
+def test_a_checkpoint_trained_with_mentions_says_so_and_others_do_not(tmp_path):
+    import json
+    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
+    assert load_policy(str(path)).mentions is False
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "apprentice_mentions": True}))
+    assert load_policy(str(path)).mentions is True

@@ -109,3 +109,32 @@ def test_a_found_name_is_imported_relative_to_the_package_from_the_file_the_sear
                     for t in turns if '"edit_file"' in t)
         assert re.search(rf"^from \.{module} import \w+$", edit["arguments"]["new"], re.M), edit
     assert seen >= 10
+
+
+def test_with_mentions_the_oracle_skips_the_searches_the_task_answered_and_still_solves(store):
+    """A task that shows where its names are defined (`agent_runtime.mentions`) needs no search
+    for them: the plan reads the file the task names. A rename's search stays (it lists the
+    uses its one substitution edits)."""
+    from agent_runtime.mentions import HEADER
+    from learner.tasks.oracle import looked_up
+    tasks = generate("train", 6, seed=SEED, families=["fix_bug"]) + \
+        generate("train", 3, seed=SEED, families=["rename_symbol"])
+    skipped = 0
+    for task in tasks:
+        plain, short = script(task), script(task, mentions=True)
+        gone = [t for t in plain if t not in short]
+        assert short == [t for t in plain if t not in gone]          # only left out, in order
+        for turn in gone:
+            assert '"name": "grep"' in turn and task.family == "fix_bug", (task.id, turn)
+            name = json.loads(turn.split("<tool_call>\n")[1].split("\n</tool_call>")[0]
+                              )["arguments"]["pattern"].removeprefix("def ").removesuffix("\\b")
+            assert name in looked_up(task), (task.id, name)
+        skipped += len(gone)
+        assert task.family != "rename_symbol" or not gone
+    assert skipped >= 3
+    episodes = run_episodes(lambda t: OraclePolicy(t, mentions=True), tasks, store, concurrency=2)
+    assert [e.reward for e in episodes] == [1.0] * len(tasks)
+    for e in episodes:                                 # the loop showed the block to the oracle
+        task_message = next(m for m in store.messages(e.session_id)
+                            if (m["meta"] or {}).get("kind") == "task")
+        assert HEADER in task_message["content"], e.task_id

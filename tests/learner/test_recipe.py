@@ -727,3 +727,17 @@ def test_the_escape_split_makes_json_escaped_code_the_files_words():
     assert "):" in escaped and "\\n" in escaped                 # no `):\` or `\ndef` words
     assert regex.findall(ts.CODE_PAT_STR, "f(x):\\ndef") != regex.findall(ts.ESCAPE_PAT_STR,
                                                                           "f(x):\\ndef")
+
+
+def test_sft_data_with_mentions_shows_the_oracle_where_the_names_are(tok_dir, monkeypatch):
+    from agent_runtime.mentions import HEADER
+    from learner.recipe import sft
+    monkeypatch.setenv("APPRENTICE_SANDBOX", "off")
+    number = next(i for i, t in enumerate(sim.generate("train", 24)) if t.family == "fix_bug")
+    tok = load_tokenizer(tok_dir)
+    texts = {}
+    for mentions in (False, True):
+        out = sft._collect_chunk(sft.Chunk(str(tok_dir), [number], [10**6], mentions=mentions))
+        assert out["passed"] == 1
+        texts[mentions] = tok.decode(list(out["seqs"][0][0]))
+    assert HEADER in texts[True] and HEADER not in texts[False]
