@@ -177,10 +177,10 @@ class Agent:
             meta={"context_window": self.policy.context_window,
                   "max_steps": self.config.max_steps, "tools": sorted(self.tools)},
             session_id=session_id, origin=self.config.origin, learn=self.config.learn)
-        shown = task
-        wanted = self.config.mentions
-        if wanted if wanted is not None else getattr(self.policy, "mentions", False):
-            shown = with_mentions(task, workspace_files(self.workspace))
+        mention = self.config.mentions
+        if mention is None:                    # as the policy was trained
+            mention = getattr(self.policy, "mentions", False)
+        shown = with_mentions(task, workspace_files(self.workspace)) if mention else task
         self.context = Context(self.config.system_prompt, shown,
                                config=self.config.context_config())
         with self.store.transaction():

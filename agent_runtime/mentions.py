@@ -18,26 +18,27 @@ keywords and builtins are left out; so is the whole block when nothing is found.
 
 A checkpoint trained with the block says so in its config (`"apprentice_mentions": true`)
 and the agent loop adds it for that policy only (`AgentConfig.mentions`); other models see
-the task as the user wrote it. This module reads files and nothing else: it runs no
-command, imports nothing of the project and does not resolve imports or call sites.
+the task as the user wrote it. This module reads files and nothing else: it walks the
+workspace as the search tools do (`tools.paths.walk`), runs no command and does not resolve
+imports or call sites.
 """
 
 from __future__ import annotations
 
 import builtins
 import keyword
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from agent_runtime.tools import paths
+
+CONFIG_KEY = "apprentice_mentions"             # config.json: the checkpoint was trained with it
 HEADER = "Names in the task:"
 MAX_NAMES = 6                                  # lines in the block at most
 MAX_FILES = 5000                               # .py files scanned in one workspace
 MAX_FILE_BYTES = 512 * 1024                    # longer files are skipped
-SKIP_DIRS = {".git", ".hg", ".svn", ".venv", "venv", "env", "node_modules", "__pycache__",
-             "site-packages", "build", "dist", ".tox", ".mypy_cache", ".pytest_cache"}
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SPAN = re.compile(r"`([^`\n]+)`")
@@ -72,26 +73,24 @@ def definitions(files: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
 
 
 def workspace_files(root: str | Path) -> Iterator[tuple[str, str]]:
-    """(relative path, text) of the workspace's `.py` files, skipping virtualenvs, caches and
-    hidden folders; at most MAX_FILES files of at most MAX_FILE_BYTES."""
+    """(relative path, text) of the workspace's `.py` files, as the search tools walk it
+    (`paths.walk`: no `.git`, virtualenvs, `node_modules` or .gitignored files); at most
+    MAX_FILES files of at most MAX_FILE_BYTES."""
     root = Path(root)
     count = 0
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
-        for name in sorted(names):
-            if not name.endswith(".py"):
+    for path in paths.walk(root):
+        if path.suffix != ".py":
+            continue
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES:
                 continue
-            path = Path(folder) / name
-            try:
-                if path.stat().st_size > MAX_FILE_BYTES:
-                    continue
-                text = path.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                continue
-            yield path.relative_to(root).as_posix(), text
-            count += 1
-            if count >= MAX_FILES:
-                return
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        yield paths.display(root, path), text
+        count += 1
+        if count >= MAX_FILES:
+            return
 
 
 def mentions(task: str, defs: dict[str, list[str]]) -> list[Mention]:
@@ -125,6 +124,7 @@ def with_mentions(task: str, files: Iterable[tuple[str, str]]) -> str:
     return f"{task}\n\n{text}" if text else task
 
 
-def _is_test(path: str) -> bool:
+def _is_test(path: str) -> bool:          # learner.tasks.grading.is_test_file's rule, minus
+                                          # `*_test.py` (the runtime does not import the learner)
     parts = path.split("/")
     return "tests" in parts[:-1] or "test" in parts[:-1] or parts[-1].startswith("test_")

@@ -22,6 +22,7 @@ from agent_runtime import names
 from agent_runtime.model import MoEModel, load_model, load_tokenizer
 from agent_runtime.model.generate import Generation, SamplingParams, generate
 from agent_runtime.model.prefix_cache import PrefixCache
+from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
 from agent_runtime.policies.base import Completion, resolve_model_path
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
@@ -72,7 +73,7 @@ class EnginePolicy:
         self.config = config or EngineConfig()
         self.context_window = model.args.max_position
         # trained with the task's names looked up (agent_runtime.mentions): the loop adds them
-        self.mentions = bool(model.hf_config.get("apprentice_mentions"))
+        self.mentions = bool(model.hf_config.get(MENTIONS_KEY))
         self._lock = threading.Lock()
         self._tokens: TokenBytes | None = None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)

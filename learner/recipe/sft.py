@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
+from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
 from learner.recipe.lm import LMConfig, train_lm
 from learner.tasks.oracle import OraclePolicy
 
@@ -579,7 +580,7 @@ def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
     result = train_lm(model, batch, config.train, out / "state", device, log=log)
     model.to("cpu")
     if config.mentions:                         # EnginePolicy.mentions: the loop adds the block
-        model.hf_config["apprentice_mentions"] = True
+        model.hf_config[MENTIONS_KEY] = True
     save_model(model, out / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)
     copy_tokenizer(start_dir, out / "model")
     return {"sequences": len(seqs), "device": device, "seconds": result["seconds"],
