@@ -5,7 +5,8 @@ Both the serving version and the candidate run the same `n_tasks` held-out insta
 seed, greedy, real agent episodes with the normal tools and sandbox, graded by the hidden
 tests) and are compared on four numbers:
 
-    pass@1          share of tasks solved                      may drop by <= pass_margin
+    pass@1          share of tasks solved                      may drop by <= pass_tasks
+                                                               tasks (or pass_margin)
     invalid rate    share of model calls with a tool call      may rise by <= invalid_margin
                     that does not parse or names no tool
     no-call rate    share of model calls with no tool call     may rise by <= no_call_margin
@@ -20,8 +21,15 @@ candidates whose invalid calls rose by chance (bench/online.py: serving measured
 candidates at 0.130 and 0.217; earlier versions of the same line measured 0.13-0.16). With
 `z` = 1.645 a rise is rejected when a one-sided test at 5 % calls it real, or when it exceeds
 the fixed margin and the runs are large enough to tell, and always when it exceeds
-`max_noise_margin` (10 points), however few the calls. pass@1 keeps its fixed margin: a
-handful of tasks cannot tell a real drop from chance, so it stays strict.
+`max_noise_margin` (10 points), however few the calls.
+
+pass@1 may fall by one task (`pass_tasks`). Greedy episodes of code-writing tasks turn on one
+token: in one bench/online.py run on the default model (eight cycles, 13 candidates gated),
+the serving version solved a fix_bug instance that every one of the 13 candidates failed,
+while 5 of them solved one or two it failed, so with no allowance the gate rejected every
+candidate that did not happen to gain a task, whatever the update did. A drop of two tasks
+is rejected, and the comparison with the line's start (below) holds the whole line to one
+task: one task of noise in all, not one per cycle.
 
 Why 24 tasks: the gate sees a pass@1 regression only on tasks the serving version solves.
 The default model solved 1 of the first 8 held-out tasks, and the fifteenth run of
@@ -77,7 +85,8 @@ class GateConfig:
                                     # 0.113, 0.129, 0.174 in three runs; at 1, 5, 5 and
                                     # 0.178, 0.181 in two (tool output with durations still
                                     # varies), in the same time (95-113 s against 110 s)
-    pass_margin: float = 0.0        # pass@1 may be lower than the serving version's by this
+    pass_tasks: int = 1             # the candidate may solve this many fewer of the tasks
+    pass_margin: float = 0.0        # ... or be lower in pass@1 by this share, if more
     invalid_margin: float = 0.02    # the invalid-call rate may be higher by this
     no_call_margin: float = 0.10    # the no-call rate may be higher by this
     repeat_margin: float = 0.02     # the rate of repeated calls (`sentiment.repeated_calls`:
@@ -130,7 +139,8 @@ def compare(serving: GateMetrics, candidate: GateMetrics, config: GateConfig,
     """Pass, or fail with every regression beyond its margin named (`against`: what the
     reason says the candidate regressed against, when not the serving version)."""
     problems = []
-    if candidate.pass_at_1 < serving.pass_at_1 - config.pass_margin - 1e-9:
+    allowed = max(config.pass_margin, config.pass_tasks / max(1, serving.n, candidate.n))
+    if candidate.pass_at_1 < serving.pass_at_1 - allowed - 1e-9:
         problems.append(f"held-out pass@1 {serving.pass_at_1:.3f} -> {candidate.pass_at_1:.3f}")
     for what, rate, fixed in (("invalid tool calls", "invalid_rate", config.invalid_margin),
                               ("calls without a tool call", "no_call_rate",

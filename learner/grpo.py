@@ -138,6 +138,19 @@ def token_weights(samples: Sequence[TrainSample]) -> torch.Tensor:
     return weights
 
 
+# The k3 penalty's gradient, 1 - exp(ref - new) per token, grows exponentially as a token falls
+# below the reference: one online cycle of the default model (lr 2e-4, 149 rated samples) took
+# a token 10 nats down in its first AdamW step, the next step's loss went 0.22 -> 19 and its
+# gradient norm 0.15 -> 10,554, and AdamW's second moments, inflated by it, held the rest of
+# the cycle back (P(test run | about to finish), measured: 0.10 -> 0.14, against 0.10 -> 0.23
+# with no penalty). Clamped as veRL's `low_var_kl` clamps it: the log ratio to +-20 and the
+# penalty to 10 (about 2.6 nats below the reference), so a token that far gets no pull back
+# from the penalty and the rest of the batch keeps its step; with the clamp, the same cycle
+# measured 0.10 -> 0.21, its steps' gradient norms 0.15, 0.13, 0.10, 0.08.
+KL_LOG_RATIO = 20.0
+KL_MAX = 10.0
+
+
 def policy_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
                 config: LossConfig | None = None,
                 ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -160,8 +173,8 @@ def policy_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: tor
     if c.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs")
-        d = ref_logprobs.to(logprobs.dtype) - logprobs
-        kl = d.exp() - d - 1.0                                              # k3 estimator
+        d = (ref_logprobs.to(logprobs.dtype) - logprobs).clamp(-KL_LOG_RATIO, KL_LOG_RATIO)
+        kl = (d.exp() - d - 1.0).clamp(max=KL_MAX)                          # k3 estimator
         loss = loss + c.kl_coef * kl
     with torch.no_grad():
         r, a = ratio.detach(), advantages

@@ -32,12 +32,22 @@ def test_an_equal_candidate_passes():
 
 
 def test_a_pass_rate_drop_within_the_margin_passes():
-    assert compare(SERVING, with_(pass_at_1=0.45), GateConfig(pass_margin=0.05)).passed
+    assert compare(SERVING, with_(pass_at_1=0.45), GateConfig(pass_tasks=0,
+                                                              pass_margin=0.05)).passed
 
 
 def test_a_pass_rate_drop_beyond_the_margin_is_rejected_and_named():
-    result = compare(SERVING, with_(pass_at_1=0.4), GateConfig(pass_margin=0.05))
+    result = compare(SERVING, with_(pass_at_1=0.4), GateConfig(pass_tasks=0, pass_margin=0.05))
     assert not result.passed and "pass@1 0.500 -> 0.400" in result.reason
+
+
+def test_one_task_less_passes_and_two_are_rejected():
+    """10 tasks: 5 -> 4 solved is one task (the flip any update makes on a greedy episode
+    of a code-writing task), 5 -> 3 is a regression; pass_tasks 0 allows none."""
+    assert compare(SERVING, with_(pass_at_1=0.4), GateConfig()).passed
+    assert not compare(SERVING, with_(pass_at_1=0.4), GateConfig(pass_tasks=0)).passed
+    result = compare(SERVING, with_(pass_at_1=0.3), GateConfig())
+    assert not result.passed and "pass@1 0.500 -> 0.300" in result.reason
 
 
 def test_more_invalid_tool_calls_are_rejected():

@@ -105,6 +105,20 @@ def test_kl_penalty_is_k3_to_the_reference_and_off_by_default():
     assert stats["ref_kl_sum"] == pytest.approx(k3)
 
 
+def test_kl_penalty_is_clamped_far_from_the_reference():
+    """A token 12 nats below the reference: unclamped k3 is e^12 ~ 160,000 with a gradient
+    as large; clamped (veRL's low_var_kl) it is 10 and pulls nothing, while a token 1 nat
+    below keeps its exact k3 and gradient."""
+    lp = torch.tensor([-13.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0])
+    out, stats = policy_loss(lp, lp.detach(), torch.zeros(2), LossConfig(kl_coef=1.0), ref)
+    out.sum().backward()
+    assert float(out[0]) == pytest.approx(10.0)
+    assert float(out[1]) == pytest.approx(math.e - 2.0)
+    assert float(lp.grad[0]) == 0.0 and float(lp.grad[1]) == pytest.approx(1.0 - math.e)
+    assert stats["ref_kl_sum"] == pytest.approx(10.0 + math.e - 2.0)
+
+
 def test_batch_loss_is_a_token_level_mean():
     # two samples of 1 and 3 tokens, advantages +1 and -1, on-policy: the batch loss is the
     # mean over the 4 tokens, (-1 + 1 + 1 + 1) / 4, not the mean of per-sample means (0)
