@@ -54,6 +54,8 @@ class TrainerConfig:
                                     # goes alone. The gradient does not depend on it
     share_rows: bool = True         # the calls of one conversation share a row of the training
                                     # forward (fed once, scored per call); off: a row per call
+    trainable: tuple[str, ...] = () # regexes of the parameter names that train (`re.search`);
+                                    # the others stay as loaded. Empty: all of them
 
 
 @dataclass

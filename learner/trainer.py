@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import random
+import re
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -67,8 +68,14 @@ class Trainer:
         (self.run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         self.model = model.to(device=self.config.device, dtype=torch.float32).train()
         self.model.requires_grad_(True)
+        if self.config.trainable:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(any(re.search(x, name) for x in self.config.trainable))
+            if not any(p.requires_grad for p in self.model.parameters()):
+                raise ValueError(f"no parameter name matches trainable={self.config.trainable}")
         o = self.config.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=o.lr, betas=tuple(o.betas),
                                            eps=o.eps, weight_decay=o.weight_decay)
         self.bf16 = bf16_compute(self.config.precision, self.config.device)
         self._work = Bf16Copy(self.model) if self.bf16 else None   # forwards run on it

@@ -142,7 +142,7 @@ def test_thumbs_up_on_invalid_tool_calls_is_rejected_and_shown(tool_user, home, 
             store.add_feedback(1, session_id=sid)
         config = OnlineConfig(model=str(tool_user), steps=4, max_update=0.0, max_changed=1.0,
                               gate=GATE)
-        config.trainer.optim.lr = 3e-3       # deliberately harmful: strong, uncapped, dense
+        config.trainer.optim.lr = 1e-2       # deliberately harmful: strong, uncapped, dense
         learner = OnlineLearner(store, config)
         result = learner.run_cycle()
         assert result.liked == GATE.n_tasks and result.version is None

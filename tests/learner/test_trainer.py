@@ -283,6 +283,21 @@ def test_bf16_compute_trains_the_fp32_masters(ckpt, tmp_path):
     assert torch.equal(t.net().lm_head.weight, t.model.lm_head.weight.bfloat16())
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_only_the_trainable_weights_change(ckpt, tmp_path, precision):
+    """`trainable`: the parameters whose names match train; the others keep their loaded
+    values exactly, the bf16 working copy's included (its gradients must not reach them)."""
+    samples = rollouts(ckpt)
+    t = trainer(ckpt, tmp_path, precision=precision, trainable=(r"\.mlp\.experts\.",))
+    before = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    t.step(samples)
+    changed = {k for k, v in t.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(".mlp.experts." in k for k in changed)
+    assert "lm_head.weight" not in changed and not any("self_attn" in k for k in changed)
+    with pytest.raises(ValueError, match="no parameter name matches"):
+        trainer(ckpt, tmp_path / "none", trainable=("no_such_weight",))
+
+
 def test_router_gets_gradient_under_replay(ckpt, tmp_path):
     t = trainer(ckpt, tmp_path)
     t.step(rollouts(ckpt, n=2))
