@@ -200,7 +200,7 @@ class OnlineLearner:
     def _train_gate_publish(self, cycle_id: int, ids: list[int]) -> CycleResult:
         rewards = sample_rewards(self.store, ids)
         serving_version, serving = self.serving_state()
-        samples = self._train_samples(ids, rewards, serving_version)
+        samples = self.train_samples(ids, rewards, serving_version)
         consumed = [(i, rewards.get(i, 0.0)) for i in ids]
         result = CycleResult(samples=len(samples), cycle_id=cycle_id,
                              liked=sum(s.advantage_reward > 0 for s in samples),
@@ -213,13 +213,9 @@ class OnlineLearner:
         practice, stats = self.practice().samples(serving_version, serving, cycle_id)
         if stats.tasks:
             result.practice = stats.to_json()
-        trainer = self._trainer(serving)
+        trainer = self.trainer_for(serving)
         before = _token_logprobs(trainer, samples)
-        for _ in range(self.config.steps):
-            trainer.step(samples + practice, extra_metrics={"cycle": cycle_id})
-        _sparsify_update(trainer.model, serving, self.config.max_changed,
-                         lambda p: trainer.optimizer.state.get(p, {}).get("exp_avg"))
-        moved = _cap_update(trainer.model, serving, self.config.max_update)
+        moved = self.update(trainer, serving, samples + practice, cycle_id)
         candidate = trainer.published_state()
         _hold(self.dir, "training")
         gate, candidate, sha, scale, rejected = self._gate_backtracking(
@@ -312,7 +308,19 @@ class OnlineLearner:
                              {"model": self.config.model})
         return version, self.versions.state(version)
 
-    def _trainer(self, serving: dict[str, torch.Tensor]):
+    def update(self, trainer: Any, serving: dict[str, torch.Tensor], batch: list[TrainSample],
+               cycle_id: int | None = None) -> float:
+        """One cycle's update of `trainer`'s model (holding `serving`) on `batch`: `steps`
+        AdamW steps, then the sparse projection and the trust region (module docstring).
+        Returns the relative norm of the change kept."""
+        for _ in range(self.config.steps):
+            trainer.step(batch, extra_metrics={"cycle": cycle_id})
+        _sparsify_update(trainer.model, serving, self.config.max_changed,
+                         lambda p: trainer.optimizer.state.get(p, {}).get("exp_avg"))
+        return _cap_update(trainer.model, serving, self.config.max_update)
+
+    def trainer_for(self, serving: dict[str, torch.Tensor]):
+        """A trainer (`learner.trainer.Trainer`, the configured objective) holding `serving`."""
         from agent_runtime.model import load_model
         from agent_runtime.policies import resolve_model_path
         from learner.trainer import Trainer
@@ -341,9 +349,11 @@ class OnlineLearner:
                                       self.config.practice)
         return self._practice
 
-    def _train_samples(self, ids: list[int], rewards: dict[int, float],
-                       serving_version: int) -> list["_Sample"]:
-        baseline = self.baseline()
+    def train_samples(self, ids: list[int], rewards: dict[int, float], serving_version: int,
+                      baseline: float | None = None) -> list["_Sample"]:
+        """The rated samples `ids` as training samples: advantage = reward - `baseline`
+        (default: `self.baseline()`); unrewarded, empty and too stale ones left out."""
+        baseline = self.baseline() if baseline is None else baseline
         oldest = serving_version - self.config.max_staleness
         out = []
         for row in self.store.samples_by_id(ids):

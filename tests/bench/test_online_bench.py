@@ -13,8 +13,8 @@ sys.path.insert(0, str(ROOT / "tests" / "agent_runtime"))
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_online", ROOT / "bench" / "online.py")
+def load_bench(name: str = "online"):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -85,3 +85,12 @@ def test_a_smoke_run_measures_before_and_after(tmp_path, capsys, one_thread, mon
     # its one session runs out of its one step: `ran_out` rates it, so the cycle publishes v2
     assert "before (v1)" in out and "round 0" in out and "after  (v2)" in out
     assert re.search(r"\+ \d+ practice samples \(\d of 1 tasks passed\)", out)
+    # bench/online_replay.py replays that cycle offline, every weight and the experts alone
+    load_bench("online_replay").main(["--home", str(tmp_path / "h"), "--model", str(ckpt),
+                                      "--heldout-tasks", "2", "--trainable", "experts,all"])
+    out = capsys.readouterr().out
+    assert re.search(r"^1 cycles, [1-9]\d* samples; [1-9]\d* held-out oracle episodes", out, re.M)
+    assert re.search(r"^experts cycle 1: [1-9]\d* samples, moved \S+: loss \d", out, re.M)
+    assert re.search(r"^all after 1 cycles: loss \d", out, re.M)
+    assert out.strip().splitlines()[-1].startswith("loss drift per held-out assistant token: "
+                                                   "experts ")

@@ -97,8 +97,8 @@ def test_practice_passes_are_trained_on_beside_the_ratings(store, ckpt, policy, 
     result = online.run_cycle()
     assert (result.samples, result.liked, result.disliked) == (1, 0, 1)
     assert result.version == 2
-    trainer = online._trainer(online.versions.state(2))
-    base = online._trainer(online.versions.state(1))
+    trainer = online.trainer_for(online.versions.state(2))
+    base = online.trainer_for(online.versions.state(1))
     new = trainer.forward_batch(samples)[0].logprobs.mean()
     old = base.forward_batch(samples)[0].logprobs.mean()
     assert new > old
