@@ -121,7 +121,10 @@ def main(argv=None) -> None:
     versions = VersionStore(args.home / "versions")
     marker = versions.root / BASE_FILE
     line = json.loads(marker.read_text()) if marker.exists() else {}
-    model_dir = resolve_model_path(args.model or line.get("model") or "default")
+    try:
+        model_dir = resolve_model_path(args.model or line.get("model") or "default")
+    except FileNotFoundError as exc:
+        raise SystemExit(f"{exc}: the version line's base model; name it with --model") from None
     store = SessionStore(args.home)
     cycles = [dict(r) for r in store.db.query(
         "SELECT id, sample_ids FROM learner_cycles WHERE sample_ids IS NOT NULL ORDER BY id")]
