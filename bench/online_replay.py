@@ -9,8 +9,9 @@ running baseline as the learner keeps it) train from the previous replayed candi
 `learner.online.OnlineLearner.update` (the learner's steps, sparse projection and trust
 region), once per setting of which weights train. After each cycle it scores the candidate
 teacher-forced on held-out oracle episodes (`learner.recipe.sft.assistant_metrics`: loss per
-assistant token, exact tokens, exact turns): a model that drifts away from writing valid
-calls shows here first. At the end, the decision the bench's simulated user rates: at the
+assistant token, exact tokens, exact turns: how far the greedy continuation of an oracle's
+episode drifts, which no sampling noise moves). At the end, the decision the bench's
+simulated user rates: at the
 moments of the home's other sessions where the model called `finish` without having run the
 tests, the probability that it runs them instead (a recorded test run's completion against
 the recorded `finish`, the two as the only choices).
