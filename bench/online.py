@@ -152,6 +152,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-changed", type=float, default=None,
                    help="share of the weights one cycle may change")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per cycle")
+    p.add_argument("--negatives", choices=("all", "decision"), default=None,
+                   help="the tokens of a disliked call that train (LossConfig.negatives; "
+                        "default: the learner's)")
     p.add_argument("--backtrack", type=int, default=1,
                    help="halvings of a rejected candidate, each gated again")
     p.add_argument("--practice-tasks", type=int, default=0,
@@ -196,6 +199,8 @@ def main(argv=None) -> None:
     config.trainer.temperature = args.temperature
     if args.lr is not None:
         config.trainer.optim.lr = args.lr
+    if args.negatives is not None:
+        config.trainer.loss.negatives = args.negatives
     learner = OnlineLearner(store, config)
     evaluator = Gate(args.model, home / "bench-eval",
                      GateConfig(n_tasks=args.eval_n, seed=1, max_steps=args.max_steps,

@@ -108,6 +108,8 @@ def main(argv=None) -> None:
     p.add_argument("--cycles", type=int, default=None, help="the first N recorded cycles")
     p.add_argument("--trainable", default="experts,all")
     p.add_argument("--heldout-tasks", type=int, default=64)
+    p.add_argument("--negatives", choices=("all", "decision"), default="all",
+                   help="the tokens of a disliked call that train (LossConfig.negatives)")
     args = p.parse_args(argv)
 
     import torch
@@ -164,6 +166,7 @@ def main(argv=None) -> None:
         trainable = {"experts": TRAINABLE, "all": ()}.get(setting, (setting,))
         config = OnlineConfig(model=str(model_dir))
         config.trainer.trainable = trainable
+        config.trainer.loss.negatives = args.negatives
         learner = OnlineLearner(store, config)
         learner.dir = work / setting                  # the trainer's files: not in the home
         state, history = base, []

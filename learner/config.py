@@ -22,6 +22,9 @@ class LossConfig:
     normalize_std: bool = False     # divide group-centred rewards by the group's std
     kl_coef: float = 0.0            # weight of a k3 KL penalty to the initial weights (0 = off,
                                     # and no reference model is kept)
+    negatives: str = "all"          # the tokens a negative advantage trains: "all", or
+                                    # "decision": those up to the first call's tool name
+                                    # (`TrainSample.decision`; samples without one: all)
 
 
 @dataclass

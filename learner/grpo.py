@@ -38,6 +38,7 @@ Not here: running the model (`trainer.py`) or producing episodes (`pipeline.py`)
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -60,6 +61,8 @@ class TrainSample:
     temperature: float | None = None # the logprobs are of logits / T (0 or None: unscaled);
                                      # None: the trainer's own `temperature`
     forced: tuple[int, ...] = ()     # completion positions whose token the call grammar chose
+    decision: int | None = None      # completion tokens up to the first call's tool name
+                                     # (`decision_end`), None: not known
 
     @property
     def n_tokens(self) -> int:
@@ -126,16 +129,40 @@ def train_sample(row: dict, advantage: float, session_id: str | None) -> TrainSa
                        forced=tuple(row.get("forced") or ()))
 
 
-def token_weights(samples: Sequence[TrainSample]) -> torch.Tensor:
+def token_weights(samples: Sequence[TrainSample], negatives: str = "all") -> torch.Tensor:
     """Per completion token of `samples` (concatenated): 1, or 0 for a token the call grammar
-    chose in a sample with a negative advantage (see the module docstring)."""
+    chose in a sample with a negative advantage (see the module docstring), and with
+    `negatives` "decision", 0 for a negative sample's tokens after its decision (the prose
+    and the tool name: `TrainSample.decision`)."""
+    if negatives not in ("all", "decision"):
+        raise ValueError(f"negatives must be 'all' or 'decision', not {negatives!r}")
     weights = torch.ones(sum(s.n_tokens for s in samples))
     offset = 0
     for s in samples:
         if s.advantage < 0 and s.forced:
             weights[[offset + i for i in s.forced if 0 <= i < s.n_tokens]] = 0.0
+        if s.advantage < 0 and negatives == "decision" and s.decision is not None:
+            weights[offset + s.decision:offset + s.n_tokens] = 0.0
         offset += s.n_tokens
     return weights
+
+
+DECISION = re.compile(rb'"name"\s*:\s*"[^"]*"')
+
+
+def decision_end(tokenizer: Any, completion_ids: Sequence[int]) -> int | None:
+    """How many completion tokens it takes to reach the end of the first tool call's name
+    (`"name": "edit_file"`), None when the completion names no tool."""
+    pieces = [tokenizer.decode_bytes([t]) for t in completion_ids]
+    found = DECISION.search(b"".join(pieces))
+    if found is None:
+        return None
+    total = 0
+    for i, piece in enumerate(pieces):
+        total += len(piece)
+        if total >= found.end():
+            return i + 1
+    return len(pieces)
 
 
 # The k3 penalty's gradient, 1 - exp(ref - new) per token, grows exponentially as a token falls

@@ -77,7 +77,7 @@ from agent_runtime import names
 from agent_runtime.learning import VERSIONS_DIR, learner_dir, load_config
 from learner.config import LossConfig, OptimConfig, TrainerConfig
 from learner.gate import Gate, GateConfig
-from learner.grpo import TrainSample, train_sample
+from learner.grpo import TrainSample, decision_end, train_sample
 from learner.practice import Practice, PracticeConfig
 from learner.sentiment import SignalConfig, derive_signals, rated_sample_ids, sample_rewards
 
@@ -358,13 +358,21 @@ class OnlineLearner:
         (default: `self.baseline()`); unrewarded, empty and too stale ones left out."""
         baseline = self.baseline() if baseline is None else baseline
         oldest = serving_version - self.config.max_staleness
+        tok = None
+        if self.config.trainer.loss.negatives == "decision":
+            from agent_runtime.model import load_tokenizer
+            from agent_runtime.policies import resolve_model_path
+            tok = load_tokenizer(resolve_model_path(self.config.model))
         out = []
         for row in self.store.samples_by_id(ids):
             r = rewards.get(row["id"], 0.0)
             if r == 0.0 or row["policy_version"] < oldest or not row["completion_ids"]:
                 continue
-            out.append(_Sample(**vars(train_sample(row, r - baseline, row["session_id"])),
-                               advantage_reward=r))
+            sample = _Sample(**vars(train_sample(row, r - baseline, row["session_id"])),
+                             advantage_reward=r)
+            if tok is not None:
+                sample.decision = decision_end(tok, sample.completion_ids)
+            out.append(sample)
         return out
 
     def baseline(self) -> float:

@@ -252,7 +252,7 @@ class Trainer:
                                      device=dev)
             logprobs = torch.cat([o.logprobs for o in outs])
             loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
-            loss = loss * token_weights(batch).to(dev, loss.dtype)
+            loss = loss * token_weights(batch, c.loss.negatives).to(dev, loss.dtype)
             if n_tok:
                 (loss.sum() / n_tok).backward()
                 if self._work is not None:

@@ -70,6 +70,24 @@ def test_a_disliked_call_the_grammar_wrote_teaches_nothing(store, ckpt, policy):
     assert result.logprob_shift["disliked"] == 0.0
 
 
+def test_with_decision_negatives_a_disliked_call_trains_up_to_its_tool_name(store, ckpt, policy):
+    """negatives="decision": the learner marks each sample's decision (the tokens up to the
+    first call's tool name), and a disliked call's arguments carry no loss."""
+    from agent_runtime.model import load_tokenizer
+    from learner.sentiment import rated_sample_ids, sample_rewards
+    store.add_feedback(-1, session_id=record_session(store, policy, "fix it", VALID))
+    online = learner(store, ckpt)
+    online.config.trainer.loss.negatives = "decision"
+    ids = rated_sample_ids(store)
+    [sample] = online.train_samples(ids, sample_rewards(store, ids), 1)
+    tok = load_tokenizer(ckpt)
+    assert sample.advantage < 0 and 0 < sample.decision < sample.n_tokens
+    assert '"read_file"' in tok.decode(sample.completion_ids[:sample.decision])
+    assert '"calc.py"' not in tok.decode(sample.completion_ids[:sample.decision])
+    online.config.trainer.loss.negatives = "all"
+    assert online.train_samples(ids, sample_rewards(store, ids), 1)[0].decision is None
+
+
 def test_samples_of_versions_beyond_the_staleness_limit_are_dropped(store, ckpt, policy):
     store.add_feedback(1, session_id=record_session(store, policy, "new", VALID, version=1))
     online = learner(store, ckpt, max_staleness=0)

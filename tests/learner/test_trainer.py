@@ -247,6 +247,28 @@ def test_tokens_the_grammar_chose_carry_no_loss_when_the_advantage_is_negative(c
         [1.0] * positive.n_tokens + [0.0] + [1.0] * (negative.n_tokens - 2) + [0.0])
 
 
+def test_negatives_may_train_only_the_decision(ckpt, tmp_path):
+    """negatives="decision": a disliked call's tokens after its tool name carry no loss (a
+    sample without a known decision keeps all of them); liked calls are untouched."""
+    from agent_runtime.model import load_tokenizer
+    from learner.grpo import decision_end
+    tok = load_tokenizer(ckpt)
+    text = 'Fixing it.\n<tool_call>\n{"name": "edit_file", "arguments": {"path": "a.py"}}'
+    ids = tok.encode(text)
+    k = decision_end(tok, ids)
+    assert '"edit_file"' in tok.decode(ids[:k]) and '"edit_file"' not in tok.decode(ids[:k - 1])
+    assert decision_end(tok, tok.encode("No call here.")) is None
+    neg = TrainSample(ids[:2], ids, [-1.0] * len(ids), None, 1, advantage=-1.0, decision=k)
+    pos = TrainSample(ids[:2], ids, [-1.0] * len(ids), None, 1, advantage=1.0, decision=k)
+    unknown = TrainSample(ids[:2], ids, [-1.0] * len(ids), None, 1, advantage=-1.0)
+    n = len(ids)
+    assert token_weights([neg, pos, unknown], "decision").tolist() == (
+        [1.0] * k + [0.0] * (n - k) + [1.0] * n + [1.0] * n)
+    assert token_weights([neg, pos, unknown]).tolist() == [1.0] * (3 * n)
+    with pytest.raises(ValueError, match="negatives"):
+        token_weights([neg], "some")
+
+
 def test_bf16_compute_trains_the_fp32_masters(ckpt, tmp_path):
     """precision="bf16": forwards and backwards on a bf16 copy, gradients added to the fp32
     masters per micro-batch, the copy refreshed after every change of the masters."""
