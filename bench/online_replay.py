@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -37,8 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-TEST_RE = re.compile(r"(pytest|unittest|test_\w+\.py|\w+_test\.py|make test|npm test)")
+from online import TEST_RE  # noqa: E402  (the simulated user's idea of a test run)
+
+
+def _test_run(call: dict) -> bool:
+    return call["name"] == "run_command" and bool(
+        TEST_RE.search(str((call["arguments"] or {}).get("command", ""))))
 
 
 def heldout_turns(model_dir: Path, tasks: int, work: Path) -> list:
@@ -62,8 +67,7 @@ def decision_moments(store, replayed: set[str], tok) -> tuple[list, list[int] | 
         calls = store.tool_calls(sid)
         if test_run is None:
             for c in calls:
-                if c["name"] == "run_command" and TEST_RE.search(
-                        str((c["arguments"] or {}).get("command", ""))):
+                if _test_run(c):
                     done = [s for s in store.samples(sid) if s["message_id"] == c["message_id"]]
                     if done:
                         test_run = list(done[-1]["completion_ids"])
@@ -74,8 +78,7 @@ def decision_moments(store, replayed: set[str], tok) -> tuple[list, list[int] | 
         if "finish" not in names:
             continue
         at = names.index("finish")
-        if any(c["name"] == "run_command" and TEST_RE.search(
-                str((c["arguments"] or {}).get("command", ""))) for c in calls[:at]):
+        if any(_test_run(c) for c in calls[:at]):
             continue
         rows = [s for s in store.samples(sid) if s["message_id"] == calls[at]["message_id"]]
         if not rows:
@@ -147,10 +150,10 @@ def main(argv=None) -> None:
     base = versions.state(int(line.get("version", 1)))
     model = load_model(model_dir, dtype=torch.float32)
 
-    def score(state) -> dict:
+    def score(state, decide: bool = True) -> dict:
         model.load_state_dict({k: v.float() for k, v in state.items()})
         m = assistant_metrics(model, held)
-        if moments and test_run:
+        if decide and moments and test_run:
             m["decision"] = decision(model, moments, test_run)
         return m
 
@@ -170,7 +173,7 @@ def main(argv=None) -> None:
         learner = OnlineLearner(store, config)
         learner.dir = work / setting                  # the trainer's files: not in the home
         state, history = base, []
-        for cycle_id, ids in rated:
+        for n, (cycle_id, ids) in enumerate(rated, 1):
             t1 = time.monotonic()
             rewards = sample_rewards(store, ids)
             recent = history[-config.baseline_window:]
@@ -180,11 +183,10 @@ def main(argv=None) -> None:
             trainer = learner.trainer_for(state)
             moved = learner.update(trainer, state, samples, cycle_id)
             state = trainer.published_state()
-            model.load_state_dict({k: v.float() for k, v in state.items()})
-            m = assistant_metrics(model, held)
+            m = score(state, decide=n == len(rated))          # the decision after the last
             print(f"{setting} cycle {cycle_id}: {len(samples)} samples, moved {moved:.2e}: "
                   f"{row(m)} ({time.monotonic() - t1:.0f}s)", flush=True)
-        ends[setting] = score(state)
+        ends[setting] = m
         print(f"{setting} after {len(rated)} cycles: {row(ends[setting])}", flush=True)
     print("loss drift per held-out assistant token: " + ", ".join(
         f"{k} {m['loss'] - start['loss']:+.4f}" for k, m in ends.items()))
