@@ -79,7 +79,8 @@ from learner.config import LossConfig, OptimConfig, TrainerConfig
 from learner.gate import Gate, GateConfig
 from learner.grpo import TrainSample, decision_end, train_sample
 from learner.practice import Practice, PracticeConfig
-from learner.sentiment import SignalConfig, derive_signals, rated_sample_ids, sample_rewards
+from learner.sentiment import (SignalConfig, derive_signals, invalid_call_samples,
+                               rated_sample_ids, sample_rewards)
 
 log = logging.getLogger(__name__)
 
@@ -355,14 +356,18 @@ class OnlineLearner:
     def train_samples(self, ids: list[int], rewards: dict[int, float], serving_version: int,
                       baseline: float | None = None) -> list["_Sample"]:
         """The rated samples `ids` as training samples: advantage = reward - `baseline`
-        (default: `self.baseline()`); unrewarded, empty and too stale ones left out."""
+        (default: `self.baseline()`); unrewarded, empty and too stale ones left out.
+
+        With negatives scoped to the decision, each sample is marked with it, except a call
+        that did not parse: its fault is in the arguments, which train whole."""
         baseline = self.baseline() if baseline is None else baseline
         oldest = serving_version - self.config.max_staleness
-        tok = None
+        tok, invalid = None, set()
         if self.config.trainer.loss.negatives == "decision":
             from agent_runtime.model import load_tokenizer
             from agent_runtime.policies import resolve_model_path
             tok = load_tokenizer(resolve_model_path(self.config.model))
+            invalid = invalid_call_samples(self.store, ids)
         out = []
         for row in self.store.samples_by_id(ids):
             r = rewards.get(row["id"], 0.0)
@@ -370,7 +375,7 @@ class OnlineLearner:
                 continue
             sample = _Sample(**vars(train_sample(row, r - baseline, row["session_id"])),
                              advantage_reward=r)
-            if tok is not None:
+            if tok is not None and row["id"] not in invalid:
                 sample.decision = decision_end(tok, sample.completion_ids)
             out.append(sample)
         return out

@@ -383,11 +383,19 @@ def sample_rewards(store: Any, sample_ids: list[int]) -> dict[int, float]:
             implicit[sid] = implicit.get(sid, 0.0) + rating * weight
     out = {sid: max(-1.0, min(1.0, r)) for sid, r in implicit.items()}
     out.update({sid: r for sid, (_, r) in explicit.items()})
-    invalid = store.db.execute(
-        f"SELECT DISTINCT sa.id FROM samples sa JOIN tool_calls c ON c.message_id = sa.message_id "
-        f"WHERE c.name = ? AND sa.id IN ({marks})", [INVALID_CALL, *sample_ids]).fetchall()
-    for (sid,) in invalid:
+    for sid in invalid_call_samples(store, sample_ids):
         rated_itself = sid in explicit and explicit[sid][0][0]
         if sid in out and not rated_itself:
             out[sid] = min(out[sid], INVALID_CALL_REWARD)
     return out
+
+
+def invalid_call_samples(store: Any, sample_ids: list[int]) -> set[int]:
+    """The samples among `sample_ids` whose model call wrote a tool call that did not parse."""
+    if not sample_ids:
+        return set()
+    marks = ",".join("?" * len(sample_ids))
+    rows = store.db.execute(
+        f"SELECT DISTINCT sa.id FROM samples sa JOIN tool_calls c ON c.message_id = sa.message_id "
+        f"WHERE c.name = ? AND sa.id IN ({marks})", [INVALID_CALL, *sample_ids]).fetchall()
+    return {sid for (sid,) in rows}

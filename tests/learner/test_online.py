@@ -88,6 +88,22 @@ def test_with_decision_negatives_a_disliked_call_trains_up_to_its_tool_name(stor
     assert online.train_samples(ids, sample_rewards(store, ids), 1)[0].decision is None
 
 
+def test_with_decision_negatives_a_call_that_did_not_parse_trains_whole(store, ckpt, policy):
+    """The fault of a malformed call is in its arguments: decision-scoped negatives leave
+    it every token, although its tool name parses."""
+    from learner.sentiment import rated_sample_ids, sample_rewards
+    from agent_runtime.agent import INVALID_CALL
+    sid = record_session(store, policy, "fix it", INVALID)
+    [message] = [m for m in store.messages(sid) if m["role"] == "assistant"]
+    store.add_tool_call(sid, message["id"], "c1", INVALID_CALL, INVALID, ok=False)
+    store.add_feedback(-1, session_id=sid)
+    online = learner(store, ckpt)
+    online.config.trainer.loss.negatives = "decision"
+    ids = rated_sample_ids(store)
+    [sample] = online.train_samples(ids, sample_rewards(store, ids), 1)
+    assert sample.advantage < 0 and sample.decision is None
+
+
 def test_samples_of_versions_beyond_the_staleness_limit_are_dropped(store, ckpt, policy):
     store.add_feedback(1, session_id=record_session(store, policy, "new", VALID, version=1))
     online = learner(store, ckpt, max_staleness=0)
