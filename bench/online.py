@@ -155,6 +155,9 @@ def main(argv=None) -> None:
     p.add_argument("--negatives", choices=("all", "decision"), default=None,
                    help="the tokens of a disliked call that train (LossConfig.negatives; "
                         "default: the learner's)")
+    p.add_argument("--unlikelihood", type=float, default=None,
+                   help="weight of -log(1 - p) on the loop a cut-off call ran into "
+                        "(LossConfig.unlikelihood; default: the learner's)")
     p.add_argument("--backtrack", type=int, default=1,
                    help="halvings of a rejected candidate, each gated again")
     p.add_argument("--practice-tasks", type=int, default=0,
@@ -201,6 +204,8 @@ def main(argv=None) -> None:
         config.trainer.optim.lr = args.lr
     if args.negatives is not None:
         config.trainer.loss.negatives = args.negatives
+    if args.unlikelihood is not None:
+        config.trainer.loss.unlikelihood = args.unlikelihood
     learner = OnlineLearner(store, config)
     evaluator = Gate(args.model, home / "bench-eval",
                      GateConfig(n_tasks=args.eval_n, seed=1, max_steps=args.max_steps,

@@ -25,6 +25,8 @@ class LossConfig:
     negatives: str = "all"          # the tokens a negative advantage trains: "all", or
                                     # "decision": those up to the first call's tool name
                                     # (`TrainSample.decision`; samples without one: all)
+    unlikelihood: float = 0.0       # weight of -log(1 - p) on the tokens of a degenerate
+                                    # loop a call was cut off in (`TrainSample.loop`; 0 = off)
 
 
 @dataclass

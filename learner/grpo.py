@@ -63,6 +63,8 @@ class TrainSample:
     forced: tuple[int, ...] = ()     # completion positions whose token the call grammar chose
     decision: int | None = None      # completion tokens up to the first call's tool name
                                      # (`decision_end`), None: not known
+    loop: tuple[int, ...] = ()       # completion positions repeating a degenerate loop
+                                     # (`loop_positions`), trained down by unlikelihood
 
     @property
     def n_tokens(self) -> int:
@@ -145,6 +147,48 @@ def token_weights(samples: Sequence[TrainSample], negatives: str = "all") -> tor
             weights[offset + s.decision:offset + s.n_tokens] = 0.0
         offset += s.n_tokens
     return weights
+
+
+LOOP_MAX_PERIOD = 64     # tokens; the runtime's loop guard ends periods of up to 16
+LOOP_MIN_SPAN = 24       # repeated tokens, at least two whole periods too
+
+
+def loop_positions(ids: Sequence[int], max_period: int = LOOP_MAX_PERIOD,
+                   min_span: int = LOOP_MIN_SPAN) -> tuple[int, ...]:
+    """The positions of the tail of `ids` that repeat the token one period before them (the
+    period giving the longest such tail), when they are at least `min_span` tokens and two
+    whole periods: the repeats of a degenerate loop a call ran into until it was cut off. ()
+    when the tail does not loop."""
+    n, best, period = len(ids), 0, 0
+    for p in range(1, min(max_period, n // 2) + 1):
+        i = n - 1
+        while i - p >= 0 and ids[i] == ids[i - p]:
+            i -= 1
+        if n - 1 - i > best:
+            best, period = n - 1 - i, p
+    if best < max(min_span, 2 * period):
+        return ()
+    return tuple(range(n - best, n))
+
+
+def unlikelihood(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token -log(1 - p) where `mask` is set, else 0 (Welleck et al. 2019, "Neural Text
+    Generation with Unlikelihood Training"). A loop's tokens are near-certain (p ~ 1), where a
+    policy gradient, (1 - p) times the advantage on a token's logit, all but vanishes: a
+    negative reward on a looping call lowers the uncertain tokens before the loop, not the
+    loop. This term's gradient on the token's logit is p: largest exactly there."""
+    lp = logprobs.clamp(max=-1e-6)
+    return torch.where(mask, -torch.log(-torch.expm1(lp)), torch.zeros_like(lp))
+
+
+def loop_mask(samples: Sequence[TrainSample]) -> torch.Tensor:
+    """Per completion token of `samples` (concatenated): True on a loop's repeats."""
+    mask = torch.zeros(sum(s.n_tokens for s in samples), dtype=torch.bool)
+    offset = 0
+    for s in samples:
+        mask[[offset + i for i in s.loop if 0 <= i < s.n_tokens]] = True
+        offset += s.n_tokens
+    return mask
 
 
 DECISION = re.compile(rb'"name"\s*:\s*"[^"]*"')

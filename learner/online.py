@@ -38,6 +38,12 @@ Only the experts' weights train (`TRAINABLE`): the embeddings (tied to the outpu
 attention and the routers carry the reading and copying every tool call is made of, and an
 update that moved them drifted on held-out oracle turns (figures at `TRAINABLE`).
 
+Loops (`LossConfig.unlikelihood`, off unless > 0). Every invalid call of the rated sessions of
+bench/online.py's twenty-first run was a call cut off inside a degenerate loop (the loop
+guard, or the token limit), and a negative reward barely reaches a loop: its tokens are
+near-certain, where a policy gradient vanishes. The repeats of a cut-off call's loop
+(`grpo.loop_positions`) are trained down by unlikelihood, -log(1 - p), whatever the reward.
+
 Practice (`learner.practice`, off unless `practice.tasks` > 0): before training, the serving
 version runs a few simulated training tasks and every model call of its verified passes joins
 the cycle's batch as a positive sample (self-imitation), so the update is also asked to keep
@@ -77,7 +83,7 @@ from agent_runtime import names
 from agent_runtime.learning import VERSIONS_DIR, learner_dir, load_config
 from learner.config import LossConfig, OptimConfig, TrainerConfig
 from learner.gate import Gate, GateConfig
-from learner.grpo import TrainSample, decision_end, train_sample
+from learner.grpo import TrainSample, decision_end, loop_positions, train_sample
 from learner.practice import Practice, PracticeConfig
 from learner.sentiment import (SignalConfig, derive_signals, invalid_call_samples,
                                rated_sample_ids, sample_rewards)
@@ -87,6 +93,7 @@ log = logging.getLogger(__name__)
 CYCLE_LOCK = "cycle.lock"
 BASE_FILE = "base.json"                # in the version store: the checkpoint of version 1
 HOLD_ENV = "APPRENTICE_LEARNER_HOLD"   # crash tests: "training" | "publishing" stops there
+CUT_OFF = (names.FINISH_LOOP, names.FINISH_LENGTH)  # finish reasons of a call cut off
 
 
 # One cycle's step. At lr 1e-5 (2 steps) an update moved ~7e-5 of the weights' norm and
@@ -359,7 +366,9 @@ class OnlineLearner:
         (default: `self.baseline()`); unrewarded, empty and too stale ones left out.
 
         With negatives scoped to the decision, each sample is marked with it, except a call
-        that did not parse: its fault is in the arguments, which train whole."""
+        that did not parse: its fault is in the arguments, which train whole. A call cut off
+        (the loop guard, the token limit) is marked with the loop it ran into, if any, for
+        `LossConfig.unlikelihood`."""
         baseline = self.baseline() if baseline is None else baseline
         oldest = serving_version - self.config.max_staleness
         tok, invalid = None, set()
@@ -377,6 +386,8 @@ class OnlineLearner:
                              advantage_reward=r)
             if tok is not None and row["id"] not in invalid:
                 sample.decision = decision_end(tok, sample.completion_ids)
+            if row["finish_reason"] in CUT_OFF:
+                sample.loop = loop_positions(sample.completion_ids)
             out.append(sample)
         return out
 

@@ -43,7 +43,8 @@ import torch
 
 from agent_runtime.model import MoEModel, load_model
 from learner.config import TrainerConfig, to_dict
-from learner.grpo import TrainSample, behaviour_kl, mean_or_nan, policy_loss, token_weights
+from learner.grpo import (TrainSample, behaviour_kl, loop_mask, mean_or_nan, policy_loss,
+                          token_weights, unlikelihood)
 from learner.precision import Bf16Copy, bf16_compute
 
 log = logging.getLogger(__name__)
@@ -253,6 +254,8 @@ class Trainer:
             logprobs = torch.cat([o.logprobs for o in outs])
             loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
             loss = loss * token_weights(batch, c.loss.negatives).to(dev, loss.dtype)
+            if c.loss.unlikelihood > 0:
+                loss = loss + c.loss.unlikelihood * unlikelihood(logprobs, loop_mask(batch).to(dev))
             if n_tok:
                 (loss.sum() / n_tok).backward()
                 if self._work is not None:

@@ -104,6 +104,26 @@ def test_with_decision_negatives_a_call_that_did_not_parse_trains_whole(store, c
     assert sample.advantage < 0 and sample.decision is None
 
 
+def test_a_call_cut_off_in_a_loop_is_marked_with_the_loop(store, ckpt, policy):
+    """The learner marks the repeats a cut-off call ran into (`TrainSample.loop`, for
+    `LossConfig.unlikelihood`); a call that ended by itself is not marked."""
+    from learner.sentiment import rated_sample_ids, sample_rewards
+    looping = INVALID[:-len("\n</tool_call>")] + ' "old": "x' + ' works\\"' * 40
+    cut = record_session(store, policy, "fix it", looping, stop=False)
+    ended = record_session(store, policy, "fix it", VALID)
+    for sid in (cut, ended):
+        store.add_feedback(-1, session_id=sid)
+    online = learner(store, ckpt)
+    ids = rated_sample_ids(store)
+    by_session = {s.session_id: s for s in online.train_samples(ids, sample_rewards(store, ids), 1)}
+    tok = policy.tokenizer
+    marked = by_session[cut]
+    assert len(marked.loop) >= 24 and marked.loop[-1] == marked.n_tokens - 1
+    assert "works" in tok.decode([marked.completion_ids[i] for i in marked.loop])
+    assert '"edit_file"' not in tok.decode([marked.completion_ids[i] for i in marked.loop])
+    assert by_session[ended].loop == ()
+
+
 def test_samples_of_versions_beyond_the_staleness_limit_are_dropped(store, ckpt, policy):
     store.add_feedback(1, session_id=record_session(store, policy, "new", VALID, version=1))
     online = learner(store, ckpt, max_staleness=0)

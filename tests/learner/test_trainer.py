@@ -269,6 +269,35 @@ def test_negatives_may_train_only_the_decision(ckpt, tmp_path):
         token_weights([neg], "some")
 
 
+def test_loop_positions_are_the_repeats_of_a_looping_tail():
+    from learner.grpo import loop_positions
+    head = [5, 9, 2, 7, 11]
+    looping = head + [3, 4, 8] * 12                        # period 3: its first copy is not a repeat
+    assert loop_positions(looping) == tuple(range(len(head) + 3, len(looping)))
+    assert loop_positions(head * 3 + [1, 2, 3, 4]) == ()   # the tail does not repeat
+    assert loop_positions(head + [6] * 10) == ()           # a short run: not a loop
+    assert loop_positions([]) == ()
+
+
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+def test_unlikelihood_lowers_the_tokens_of_a_loop(ckpt, tmp_path, weight):
+    """A loop's tokens are near-certain, where the policy gradient vanishes: the
+    unlikelihood term (LossConfig.unlikelihood) lowers them even with no advantage at all,
+    and only them: a sample without loop positions moves nothing."""
+    from learner.config import LossConfig
+    [sample] = rollouts(ckpt, n=1, tokens=16)
+    t = trainer(ckpt, tmp_path, loss=LossConfig(unlikelihood=weight))
+    loop = TrainSample(**{**sample.__dict__, "advantage": 0.0,
+                          "loop": tuple(range(4, sample.n_tokens))})
+    before = t.forward(loop).logprobs[4:].clone()
+    t.step([loop])
+    after = t.forward(loop).logprobs[4:]
+    if weight:
+        assert after.mean() < before.mean()
+    else:
+        assert torch.equal(after, before)
+
+
 def test_bf16_compute_trains_the_fp32_masters(ckpt, tmp_path):
     """precision="bf16": forwards and backwards on a bf16 copy, gradients added to the fp32
     masters per micro-batch, the copy refreshed after every change of the masters."""
