@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -138,15 +138,28 @@ def token_weights(samples: Sequence[TrainSample], negatives: str = "all") -> tor
     and the tool name: `TrainSample.decision`)."""
     if negatives not in ("all", "decision"):
         raise ValueError(f"negatives must be 'all' or 'decision', not {negatives!r}")
+
+    def silent(s: TrainSample) -> Sequence[int]:
+        if s.advantage >= 0:
+            return ()
+        if negatives == "decision" and s.decision is not None:
+            return [*s.forced, *range(s.decision, s.n_tokens)]
+        return s.forced
+
     weights = torch.ones(sum(s.n_tokens for s in samples))
-    offset = 0
-    for s in samples:
-        if s.advantage < 0 and s.forced:
-            weights[[offset + i for i in s.forced if 0 <= i < s.n_tokens]] = 0.0
-        if s.advantage < 0 and negatives == "decision" and s.decision is not None:
-            weights[offset + s.decision:offset + s.n_tokens] = 0.0
-        offset += s.n_tokens
+    weights[_flat_positions(samples, silent)] = 0.0
     return weights
+
+
+def _flat_positions(samples: Sequence[TrainSample],
+                    positions: Callable[[TrainSample], Sequence[int]]) -> list[int]:
+    """`positions(s)` of each sample (those inside its completion) as indices into the
+    samples' completion tokens concatenated."""
+    out, offset = [], 0
+    for s in samples:
+        out += [offset + i for i in positions(s) if 0 <= i < s.n_tokens]
+        offset += s.n_tokens
+    return out
 
 
 LOOP_MAX_PERIOD = 64     # tokens; the runtime's loop guard ends periods of up to 16
@@ -184,10 +197,7 @@ def unlikelihood(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def loop_mask(samples: Sequence[TrainSample]) -> torch.Tensor:
     """Per completion token of `samples` (concatenated): True on a loop's repeats."""
     mask = torch.zeros(sum(s.n_tokens for s in samples), dtype=torch.bool)
-    offset = 0
-    for s in samples:
-        mask[[offset + i for i in s.loop if 0 <= i < s.n_tokens]] = True
-        offset += s.n_tokens
+    mask[_flat_positions(samples, lambda s: s.loop)] = True
     return mask
 
 
