@@ -145,7 +145,10 @@ def main(argv=None) -> None:
     p.add_argument("--gate-tasks", type=int, default=None,
                    help="the gate's held-out tasks (default: the learner's)")
     p.add_argument("--max-steps", type=int, default=12)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="per model call, in the sessions, the gate and the held-out episodes "
+                        "(as `apprentice eval`; at 256 about half the rated sessions' invalid "
+                        "calls were turns of several calls cut off, not broken calls)")
     p.add_argument("--temperature", type=float, default=1.0, help="sessions' sampling")
     p.add_argument("--lr", type=float, default=None, help="default: the learner's")
     p.add_argument("--max-update", type=float, default=None)

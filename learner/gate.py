@@ -77,7 +77,9 @@ class GateConfig:
                                     # every candidate passes: for tests and tiny models)
     seed: int = 0                   # which held-out instances (fixed, so versions compare)
     max_steps: int = 8              # model calls per episode
-    max_new_tokens: int = 256       # tokens per model call
+    max_new_tokens: int = 512       # tokens per model call (as `apprentice eval`; at 256,
+                                    # a turn that edits and then writes a test was cut off
+                                    # and counted as an invalid call: bench/online.py)
     concurrency: int = 1            # episodes at once (their calls decode as one batch).
                                     # Above 1, which calls share a batch depends on timing,
                                     # and bf16 numerics on it; the default model on 24 tasks,

@@ -53,7 +53,7 @@ class PracticeConfig:
                                     # is its reward minus the ratings' running mean, ~1.3 in
                                     # bench/online.py, where most ratings are thumbs down)
     max_steps: int = 12             # model calls per episode
-    max_new_tokens: int = 256       # tokens per model call
+    max_new_tokens: int = 512       # tokens per model call (as the gate's)
     concurrency: int = 4            # episodes at once (their calls decode as one batch)
     seed: int = 20_000              # the tasks of cycle c are generate("train", tasks, seed + c)
                                     # (bench/online.py rates seeds 0.. and probes 10,000)
