@@ -36,6 +36,7 @@ import sys
 
 import numpy as np
 
+from agent_runtime.mentions import HEADER as MENTIONS_HEADER
 from learner.tasks.vocab import DOMAINS
 
 # generic words in the domains' names that also carry meaning outside a domain: kept
@@ -142,3 +143,63 @@ class Renamer:
             out_ids += run
             out_mask += [trained] * len(run)
         return np.asarray(out_ids, dtype=ids_dtype), np.asarray(out_mask, dtype=mask_dtype)
+
+
+# -- instruction noise -------------------------------------------------------------------------
+
+USER_TURN = "<|im_start|>user\n"
+END_TURN = "<|im_end|>"
+_PLAIN_WORD = re.compile(r"(?<![\w./`-])[A-Za-z]+(?![\w./`-])")
+
+
+class InstructionNoise:
+    """Replaces a share of the plain words of an episode's task with random words.
+
+    The held-out tasks are worded in sentences no training task uses, and a small model
+    trained on a few wordings per family reads the family off the wording: on "We are
+    standardising names in cookbook. `serving_stdev` must become `stdev_of_servings`" the
+    shipped model searched for `stdev_of_servings`, the new name, and never renamed anything.
+    With some of the wording replaced by noise, the episode can only be played from what the
+    noise leaves: the backticked names, paths and commands, the words the rest of the
+    episode repeats (a package's name, an error), and what the tools then show (which name
+    the code defines). Only the first user turn's task is touched (not the mention block,
+    not the harness), and a word is kept whenever it occurs again after the task, so every
+    replaced word is one the episode never refers to."""
+
+    def __init__(self, renamer: Renamer, rate: float = 0.5):
+        self.renamer, self.rate = renamer, rate
+
+    def text(self, sequence: str, rng: random.Random, after: str = "") -> str:
+        """`sequence` with the plain words of its first user turn's task noised; `after`: the
+        text that follows `sequence` in the episode (words it repeats are kept)."""
+        start = sequence.find(USER_TURN)
+        if start < 0:
+            return sequence
+        start += len(USER_TURN)
+        end = sequence.find(END_TURN, start)
+        end = len(sequence) if end < 0 else end
+        task_end = sequence.find("\n\n" + MENTIONS_HEADER, start, end)
+        task_end = end if task_end < 0 else task_end
+        later = {w.lower() for w in re.findall(r"[A-Za-z]+", sequence[task_end:] + after)}
+
+        def noise(m: re.Match) -> str:
+            word = m.group(0)
+            if word.lower() in later or rng.random() >= self.rate:
+                return word
+            return rng.choice(self.renamer.pool)
+
+        parts = re.split(r"(`[^`]*`)", sequence[start:task_end])
+        task = "".join(p if p.startswith("`") else _PLAIN_WORD.sub(noise, p) for p in parts)
+        return sequence[:start] + task + sequence[task_end:]
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: random.Random
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """`ids` with its task's words noised (the runs as `Renamer.runs` splits them; the task
+        sits in the first untrained run), the loss mask carried over."""
+        runs = self.renamer.runs(ids, mask)
+        first = next((k for k, (_, trained) in enumerate(runs) if not trained), None)
+        if first is None:
+            return ids, mask
+        after = "".join(text for text, _ in runs[first + 1:])
+        runs[first] = (self.text(runs[first][0], rng, after), False)
+        return self.renamer.rename(runs, {}, ids.dtype, mask.dtype)

@@ -59,6 +59,10 @@ class SFTConfig:
                                     # words renamed (`learner.recipe.augment`): copy, not recall
     rename_merge: float = 0.0       # of those, the share where two of the words become one
                                     # (names that look alike: `orders.cli orders.csv`)
+    instruction_noise: float = 0.0  # share of the sequences in each batch seen with some of
+                                    # their task's words replaced by random ones
+                                    # (`augment.InstructionNoise`): wording it never saw
+    noise_rate: float = 0.5         # ... each plain word the episode does not repeat, this often
     copy_share: float = 0.0         # share of the training sequences that are copy windows
                                     # (`pretrain.copy_window`, as long as the episodes)
     slip_share: float = 0.0         # share of the episodes with one slip and its recovery
@@ -510,18 +514,27 @@ def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int,
     return batch
 
 
-def _renaming(tok, seqs: list[tuple[np.ndarray, np.ndarray]], share: float,
-              merge: float = 0.0) -> Transform:
-    """Rename a `share` of the sequences; the words of the episodes' shared system turn (the
-    harness: tool and argument names) are never renamed."""
-    from learner.recipe.augment import Renamer
+def _augmenting(tok, seqs: list[tuple[np.ndarray, np.ndarray]], config: SFTConfig
+                ) -> Transform | None:
+    """Rename a `config.rename` share of the sequences, then noise the task of a
+    `config.instruction_noise` share (`learner.recipe.augment`); the words of the episodes'
+    shared system turn (the harness: tool and argument names) are never renamed. None when
+    neither is asked for."""
+    from learner.recipe.augment import InstructionNoise, Renamer
 
+    if not config.rename and not config.instruction_noise:
+        return None
     ids = seqs[0][0].tolist()
     harness = tok.decode(ids[:ids.index(tok.special_tokens["<|im_end|>"])])
-    renamer = Renamer(tok, harness, merge=merge)
+    renamer = Renamer(tok, harness, merge=config.rename_merge)
+    noise = InstructionNoise(renamer, config.noise_rate)
 
     def transform(ids: np.ndarray, mask: np.ndarray, rng: random.Random):
-        return renamer(ids, mask, rng) if rng.random() < share else (ids, mask)
+        if rng.random() < config.rename:
+            ids, mask = renamer(ids, mask, rng)
+        if config.instruction_noise and rng.random() < config.instruction_noise:
+            ids, mask = noise(ids, mask, rng)
+        return ids, mask
     return transform
 
 
@@ -566,8 +579,7 @@ def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
     if not seqs:
         raise ValueError(f"{data}: no SFT sequences")
     pad = tok.special_tokens["<|endoftext|>"]
-    transform = _renaming(tok, seqs, config.rename, config.rename_merge) if config.rename \
-        else None
+    transform = _augmenting(tok, seqs, config)
     if config.copy_share:
         transform = _episodes_only(transform, tok.special_tokens["<|im_start|>"])
         seqs = seqs + copy_sequences(tok, seqs, config.copy_share, config.seed)

@@ -655,6 +655,39 @@ def test_merging_gives_two_of_an_episodes_words_one_name(tok_dir, monkeypatch):
     assert merged < distinct
 
 
+def test_instruction_noise_replaces_only_task_words_the_episode_never_repeats(tok_dir,
+                                                                              monkeypatch):
+    """InstructionNoise at rate 1 on a real oracle episode: the task's backticked spans and
+    the words the episode repeats stay, every other plain word of the task is a pool word,
+    and nothing outside the task changes (harness, tool results, trained tokens)."""
+    import re
+    from learner.recipe.augment import USER_TURN, InstructionNoise, Renamer
+    tok, ids, mask, pool, harness = renaming_setup(tok_dir, monkeypatch)
+    noise = InstructionNoise(Renamer(tok, harness, pool=pool), rate=1.0)
+    original = tok.decode(ids.tolist())
+    new_ids, new_mask = noise(ids, mask, random.Random(3))
+    noised = tok.decode(new_ids.tolist())
+    start = original.index(USER_TURN) + len(USER_TURN)
+    end, new_end = original.index("<|im_end|>", start), noised.index("<|im_end|>", start)
+    assert noised[:start] == original[:start] and noised[new_end:] == original[end:]
+    task, new_task = original[start:end], noised[start:new_end]
+    later = {w.lower() for w in re.findall(r"[A-Za-z]+", original[end:])}
+    plain = [w for p in re.split(r"(`[^`]*`)", task) if not p.startswith("`")
+             for w in re.findall(r"(?<![\w./`-])[A-Za-z]+(?![\w./`-])", p)]
+    dropped = [w for w in plain if w.lower() not in later]
+    assert dropped and new_task != task
+    assert re.findall(r"`[^`]*`", new_task) == re.findall(r"`[^`]*`", task)
+    new_plain = [w for p in re.split(r"(`[^`]*`)", new_task) if not p.startswith("`")
+                 for w in re.findall(r"(?<![\w./`-])[A-Za-z]+(?![\w./`-])", p)]
+    assert len(new_plain) == len(plain)
+    assert all(n == w if w.lower() in later else n in pool for w, n in zip(plain, new_plain))
+    trained = lambda i, m: tok.decode(i[m.astype(bool)].tolist())
+    assert trained(new_ids, new_mask) == trained(ids, mask)
+    assert noise(ids, mask, random.Random(3))[0].tolist() == new_ids.tolist()   # seeded
+    assert InstructionNoise(noise.renamer, rate=0.0)(ids, mask, random.Random(3))[0].tolist() \
+        == ids.tolist()
+
+
 def test_sft_copy_windows_are_their_share_as_long_as_episodes_and_never_renamed(tok_dir):
     tok = load_tokenizer(tok_dir)
     start = tok.special_tokens["<|im_start|>"]
