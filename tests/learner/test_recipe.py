@@ -672,13 +672,15 @@ def test_instruction_noise_replaces_only_task_words_the_episode_never_repeats(to
     assert noised[:start] == original[:start] and noised[new_end:] == original[end:]
     task, new_task = original[start:end], noised[start:new_end]
     later = {w.lower() for w in re.findall(r"[A-Za-z]+", original[end:])}
-    plain = [w for p in re.split(r"(`[^`]*`)", task) if not p.startswith("`")
-             for w in re.findall(r"(?<![\w./`-])[A-Za-z]+(?![\w./`-])", p)]
+
+    def plain_words(text: str) -> list[str]:                 # outside backticks, not in paths
+        return [w for p in re.split(r"(`[^`]*`)", text) if not p.startswith("`")
+                for w in re.findall(r"(?<![\w./`-])[A-Za-z]+(?![\w./`-])", p)]
+    plain = plain_words(task)
     dropped = [w for w in plain if w.lower() not in later]
     assert dropped and new_task != task
     assert re.findall(r"`[^`]*`", new_task) == re.findall(r"`[^`]*`", task)
-    new_plain = [w for p in re.split(r"(`[^`]*`)", new_task) if not p.startswith("`")
-                 for w in re.findall(r"(?<![\w./`-])[A-Za-z]+(?![\w./`-])", p)]
+    new_plain = plain_words(new_task)
     assert len(new_plain) == len(plain)
     assert all(n == w if w.lower() in later else n in pool for w, n in zip(plain, new_plain))
     trained = lambda i, m: tok.decode(i[m.astype(bool)].tolist())
