@@ -158,6 +158,9 @@ def main(argv=None) -> None:
     p.add_argument("--negatives", choices=("all", "decision"), default=None,
                    help="the tokens of a disliked call that train (LossConfig.negatives; "
                         "default: the learner's)")
+    p.add_argument("--balance", choices=("on", "off"), default=None,
+                   help="the disliked side of a step weighs what the liked side does "
+                        "(LossConfig.balance; default: the learner's)")
     p.add_argument("--unlikelihood", type=float, default=None,
                    help="weight of -log(1 - p) on the loop a cut-off call ran into "
                         "(LossConfig.unlikelihood; default: the learner's)")
@@ -209,6 +212,8 @@ def main(argv=None) -> None:
         config.trainer.loss.negatives = args.negatives
     if args.unlikelihood is not None:
         config.trainer.loss.unlikelihood = args.unlikelihood
+    if args.balance is not None:
+        config.trainer.loss.balance = args.balance == "on"
     learner = OnlineLearner(store, config)
     evaluator = Gate(args.model, home / "bench-eval",
                      GateConfig(n_tasks=args.eval_n, seed=1, max_steps=args.max_steps,

@@ -25,6 +25,10 @@ class LossConfig:
     negatives: str = "all"          # the tokens a negative advantage trains: "all", or
                                     # "decision": those up to the first call's tool name
                                     # (`TrainSample.decision`; samples without one: all)
+    balance: bool = False           # the disliked side of a step weighs what the liked side
+                                    # does: negative-advantage tokens' weights scaled so their
+                                    # sum of |advantage| x weight equals the positive tokens'
+                                    # (`balance_scale`; KTO's class weights)
     unlikelihood: float = 0.0       # weight of -log(1 - p) on the tokens of a degenerate
                                     # loop a call was cut off in (`TrainSample.loop`; 0 = off)
 

@@ -43,8 +43,8 @@ import torch
 
 from agent_runtime.model import MoEModel, load_model
 from learner.config import TrainerConfig, to_dict
-from learner.grpo import (TrainSample, behaviour_kl, loop_mask, mean_or_nan, policy_loss,
-                          token_weights, unlikelihood)
+from learner.grpo import (TrainSample, balance_scale, behaviour_kl, loop_mask, mean_or_nan,
+                          policy_loss, token_weights, unlikelihood)
 from learner.precision import Bf16Copy, bf16_compute
 
 log = logging.getLogger(__name__)
@@ -240,6 +240,7 @@ class Trainer:
         c = self.config
         n_tok = sum(s.n_tokens for s in samples)
         acc = _Acc()
+        scale = balance_scale(samples, c.loss.negatives) if c.loss.balance else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         for batch in self.micro_batches(samples):
             outs = self.forward_batch(batch)
@@ -253,7 +254,7 @@ class Trainer:
                                      device=dev)
             logprobs = torch.cat([o.logprobs for o in outs])
             loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
-            loss = loss * token_weights(batch, c.loss.negatives).to(dev, loss.dtype)
+            loss = loss * token_weights(batch, c.loss.negatives, scale).to(dev, loss.dtype)
             if c.loss.unlikelihood > 0:
                 loss = loss + c.loss.unlikelihood * unlikelihood(logprobs, loop_mask(batch).to(dev))
             if n_tok:
@@ -276,6 +277,7 @@ class Trainer:
         row = {"step": self.step_count, "version": self.version, "time": time.time(),
                "updated": int(updated), "samples": len(samples), "tokens": n_tok,
                "replay": int(c.router_replay), "grad_norm": grad_norm, "lr": c.optim.lr,
+               "negative_scale": scale,
                **acc.diagnostics(), **acc.loss_stats(), "train_s": time.perf_counter() - t0,
                **(extra_metrics or {})}
         self.log_metrics(row)

@@ -269,6 +269,26 @@ def test_negatives_may_train_only_the_decision(ckpt, tmp_path):
         token_weights([neg], "some")
 
 
+def test_balance_weighs_the_disliked_tokens_that_train_as_much_as_the_liked():
+    """balance_scale: sum of |advantage| x weight of the negative tokens that train equals the
+    positive tokens' once they are scaled by it; one side alone is left as it is."""
+    from learner.grpo import balance_scale
+    ids = list(range(10, 30))
+    neg = TrainSample(ids[:2], ids, [-1.0] * 20, None, 1, advantage=-0.5, decision=4,
+                      forced=(1,))
+    pos = TrainSample(ids[:2], ids[:6], [-1.0] * 6, None, 1, advantage=1.5)
+    zero = TrainSample(ids[:2], ids[:3], [-1.0] * 3, None, 1, advantage=0.0)
+    batch = [pos, neg, zero]
+    for negatives, live in (("all", 19), ("decision", 3)):
+        scale = balance_scale(batch, negatives)
+        assert scale == pytest.approx(1.5 * 6 / (0.5 * live))
+        w = token_weights(batch, negatives, scale)
+        assert w[:6].tolist() == [1.0] * 6 and w[26:].tolist() == [1.0] * 3
+        assert float(w[6:26].sum()) * 0.5 == pytest.approx(1.5 * 6)
+        assert w[7] == 0.0 and (negatives == "all" or w[6 + 4:26].sum() == 0)
+    assert balance_scale([neg, zero]) == balance_scale([pos]) == 1.0
+
+
 def test_loop_positions_are_the_repeats_of_a_looping_tail():
     from learner.grpo import loop_positions
     head = [5, 9, 2, 7, 11]
