@@ -122,7 +122,8 @@ TRAINABLE = (r"\.mlp\.experts\.",)
 
 
 def _trainer_defaults() -> TrainerConfig:
-    return TrainerConfig(loss=LossConfig(kl_coef=0.05, balance=True), optim=OptimConfig(lr=LR),
+    return TrainerConfig(loss=LossConfig(kl_coef=0.05, negatives="decision", balance=True),
+                         optim=OptimConfig(lr=LR),
                          temperature=0.0, checkpoint_every=0, precision="auto",
                          trainable=TRAINABLE)
 
