@@ -275,11 +275,16 @@ void rows_range_any(int64_t M, const XRow* x, const uint16_t* w, int64_t N, int6
   }
 }
 
+// Multiply-adds a thread takes on at least: less stays on the calling thread, where waking
+// the other costs more than it saves. Counted in multiply-adds (rows x weights), not weights:
+// 8 rows through a 256 x 256 weight is 512k of them, ~7 us on one core.
+constexpr int64_t kGrainMacs = int64_t{1} << 17;
+
 template <int M>
 void rows_kernel(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
                  at::BFloat16* y) {
   constexpr int NB = kBlock<M>;
-  const int64_t grain = std::max<int64_t>(NB, (int64_t{1} << 17) / K / NB * NB);  // 128k weights
+  const int64_t grain = std::max<int64_t>(NB, kGrainMacs / (K * M) / NB * NB);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     rows_range<M>(x, w, N, K, bias, y, begin, end);
   });
@@ -298,9 +303,9 @@ void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
   const int64_t piece = std::max<int64_t>(4, (int64_t{1} << 16) / K / 4 * 4);
   const int64_t pieces = (N + piece - 1) / piece;
   const int64_t jobs = static_cast<int64_t>(ws.size()) * pieces;
-  // as rows_kernel: at least 128k weights a thread, else on the calling thread (waking the
-  // other threads costs more than reading a few small matrices)
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (piece * K));
+  // as rows_kernel: at least kGrainMacs multiply-adds a thread (the groups' mean rows a job)
+  const int64_t rows = std::max<int64_t>(1, xs.size(0) / std::max<int64_t>(1, ws.size()));
+  const int64_t grain = std::max<int64_t>(1, kGrainMacs / (piece * K * rows));
   at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int64_t g = j / pieces, lo = (j % pieces) * piece, hi = std::min(N, lo + piece);
