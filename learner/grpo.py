@@ -171,16 +171,10 @@ def balance_scale(samples: Sequence[TrainSample], negatives: str = "all") -> flo
     end-to-end test of issue 13), the liked call's training raised the shared first token
     of the disliked one by 0.4 nats while its 16 decision tokens trained down with half the
     liked side's weight: the disliked completion became likelier (+0.0016 nats a token)."""
-    weights = token_weights(samples, negatives)
-    pos = neg = 0.0
-    offset = 0
-    for s in samples:
-        mass = abs(s.advantage) * float(weights[offset:offset + s.n_tokens].sum())
-        offset += s.n_tokens
-        if s.advantage > 0:
-            pos += mass
-        elif s.advantage < 0:
-            neg += mass
+    advantage = torch.tensor([s.advantage for s in samples for _ in range(s.n_tokens)],
+                             dtype=torch.float64)
+    mass = token_weights(samples, negatives) * advantage
+    pos, neg = float(mass[advantage > 0].sum()), -float(mass[advantage < 0].sum())
     return pos / neg if pos > 0 and neg > 0 else 1.0
 
 
