@@ -153,21 +153,13 @@ def build(ctx: Context) -> Draft:
     # in a shell: the call copies the two names (said again just before it, as the task said
     # them) and no list of files, which a small model loses its place in (the shipped model
     # edited one file three times and missed two)
-    # the search looks for both names, so the plan needs no choice between them before the
-    # output shows which one the code has (r13, asked "`a` must become `b`", searched for `b`
-    # as often as for `a`, found nothing and flailed); the next sentence names the one the
-    # output shows before the rename copies it. Old first, as every fixed wording says them:
-    # the plan stays the same whatever the wording
-    turns = [turn(rng.choice(["First, where each of the two names appears.",
-                              "Let me see which of the two names the code uses.",
-                              "Searching for both names."]),
-                  call("grep", pattern=f"{old}|{new}")),     # no \b: see fix_bug.py
-             turn(rng.choice(["Only `{0}` is in the code, so it is the old name: renaming `{0}` "
-                              "to `{1}` in every file that uses it.",
-                              "The code has `{0}` and no `{1}` yet. Now the rename of `{0}` to "
-                              "`{1}`, in all those files at once.",
-                              "Only `{0}` appears, so `{0}` becomes `{1}`: applying the rename "
-                              "everywhere it appears."]).format(old, new),
+    turns = [turn(rng.choice(["First, every place the name appears.", "Let me find all uses.",
+                              "Searching for the old name."]),
+                  call("grep", pattern=old)),        # no \b: see fix_bug.py
+             turn(rng.choice(["Renaming `{0}` to `{1}` in every file that uses it.",
+                              "Now the rename of `{0}` to `{1}`, in all those files at once.",
+                              "Applying the rename of `{0}` to `{1}` everywhere it appears."]
+                             ).format(old, new),
                   call("run_command", command=rename_command(old, new)))]
     # the check is the test suite: a `python -c` call of a caller needs its name and arguments,
     # which nothing before it has read (r10 wrote the rename's `sed` exactly and then a check
