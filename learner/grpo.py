@@ -131,6 +131,12 @@ def train_sample(row: dict, advantage: float, session_id: str | None) -> TrainSa
                        forced=tuple(row.get("forced") or ()))
 
 
+def token_advantages(samples: Sequence[TrainSample], dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
+    """Each sample's advantage on every one of its completion tokens, [sum of n_tokens]."""
+    return torch.tensor([s.advantage for s in samples for _ in range(s.n_tokens)], dtype=dtype)
+
+
 def token_weights(samples: Sequence[TrainSample], negatives: str = "all",
                   negative_scale: float = 1.0) -> torch.Tensor:
     """Per completion token of `samples` (concatenated): 1, or 0 for a token the call grammar
@@ -171,8 +177,7 @@ def balance_scale(samples: Sequence[TrainSample], negatives: str = "all") -> flo
     end-to-end test of issue 13), the liked call's training raised the shared first token
     of the disliked one by 0.4 nats while its 16 decision tokens trained down with half the
     liked side's weight: the disliked completion became likelier (+0.0016 nats a token)."""
-    advantage = torch.tensor([s.advantage for s in samples for _ in range(s.n_tokens)],
-                             dtype=torch.float64)
+    advantage = token_advantages(samples, torch.float64)
     mass = token_weights(samples, negatives) * advantage
     pos, neg = float(mass[advantage > 0].sum()), -float(mass[advantage < 0].sum())
     return pos / neg if pos > 0 and neg > 0 else 1.0

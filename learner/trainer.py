@@ -44,7 +44,7 @@ import torch
 from agent_runtime.model import MoEModel, load_model
 from learner.config import TrainerConfig, to_dict
 from learner.grpo import (TrainSample, balance_scale, behaviour_kl, loop_mask, mean_or_nan,
-                          policy_loss, token_weights, unlikelihood)
+                          policy_loss, token_advantages, token_weights, unlikelihood)
 from learner.precision import Bf16Copy, bf16_compute
 
 log = logging.getLogger(__name__)
@@ -250,8 +250,7 @@ class Trainer:
                 with torch.no_grad():
                     ref = torch.cat([o.logprobs for o in self.forward_batch(batch, model=self.ref)])
             behaviour = [torch.tensor(s.logprobs, device=dev) for s in batch]
-            advantage = torch.tensor([s.advantage for s in batch for _ in s.completion_ids],
-                                     device=dev)
+            advantage = token_advantages(batch).to(dev)
             logprobs = torch.cat([o.logprobs for o in outs])
             loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
             loss = loss * token_weights(batch, c.loss.negatives, scale).to(dev, loss.dtype)
