@@ -203,3 +203,60 @@ class InstructionNoise:
         after = "".join(text for text, _ in runs[first + 1:])
         runs[first] = (self.text(runs[first][0], rng, after), False)
         return self.renamer.rename(runs, {}, ids.dtype, mask.dtype)
+
+
+# -- preambles ---------------------------------------------------------------------------------
+
+# Sentences a user puts before the request itself (none names a task family or a plan)
+OPENERS = ("Hi!", "Hello.", "Hi there.", "Morning!", "Quick one:", "Small request.",
+           "Next item:", "Ticket:", "One more thing.", "Here is what I need.", "Some housekeeping.",
+           "A request from the team.", "Follow-up from yesterday.", "Low priority, but today.",
+           "When you have a minute:", "Thanks in advance.", "Please read carefully.",
+           "From the backlog:", "Another one for you.", "Context: this came up in review.")
+
+
+class Preamble:
+    """Puts a sentence before the task of the first user turn: one of `OPENERS`, or a few
+    random words from the renamer's pool.
+
+    A held-out wording can open with a sentence of its own before it names anything: "We are
+    standardising names in cookbook. `serving_stdev` must become `stdev_of_servings`". The
+    shipped model, asked for the first search of that task (its next tokens after "Let me find
+    `"), prefers the new name by 8.9 nats on average over 6 tasks, and so it does after *any*
+    sentence put before a "`a` must become `b`" or a training wording "`a` should be called
+    `b`" ("Hi." included: -10 and -13 nats), where without one it prefers the old name (+3.6
+    and +3.3). The training wordings that open with text before the first name are mostly the
+    ones naming the new name first ("The name `b` should replace `a`"), so the model learned
+    where the old name stands, not what the sentence says. With a share of the training tasks
+    opened by a sentence that says nothing about the task, where a name stands after an
+    opening no longer tells which it is."""
+
+    def __init__(self, renamer: Renamer, openers: tuple[str, ...] = OPENERS,
+                 words: float = 0.5):
+        self.renamer, self.openers, self.words = renamer, openers, words
+
+    def sentence(self, rng: random.Random) -> str:
+        """An opener, or (a `words` share of the time) 2-6 pool words as a sentence."""
+        if rng.random() >= self.words:
+            return rng.choice(self.openers)
+        words = [rng.choice(self.renamer.pool) for _ in range(rng.randint(2, 6))]
+        return " ".join(words).capitalize() + rng.choice(".:!")
+
+    def text(self, sequence: str, rng: random.Random) -> str:
+        """`sequence` with a sentence before its first user turn's text."""
+        start = sequence.find(USER_TURN)
+        if start < 0:
+            return sequence
+        start += len(USER_TURN)
+        return sequence[:start] + self.sentence(rng) + " " + sequence[start:]
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: random.Random
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """`ids` with a preamble before its task (in the first untrained run, as
+        `InstructionNoise` finds it), the loss mask carried over."""
+        runs = self.renamer.runs(ids, mask)
+        first = next((k for k, (_, trained) in enumerate(runs) if not trained), None)
+        if first is None or USER_TURN not in runs[first][0]:
+            return ids, mask
+        runs[first] = (self.text(runs[first][0], rng), False)
+        return self.renamer.rename(runs, {}, ids.dtype, mask.dtype)

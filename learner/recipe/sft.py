@@ -63,6 +63,9 @@ class SFTConfig:
                                     # their task's words replaced by random ones
                                     # (`augment.InstructionNoise`): wording it never saw
     noise_rate: float = 0.5         # ... each plain word the episode does not repeat, this often
+    preamble: float = 0.0           # share of the sequences in each batch seen with a sentence
+                                    # before their task (`augment.Preamble`): where a name
+                                    # stands after an opening says nothing about which it is
     copy_share: float = 0.0         # share of the training sequences that are copy windows
                                     # (`pretrain.copy_window`, as long as the episodes)
     slip_share: float = 0.0         # share of the episodes with one slip and its recovery
@@ -517,23 +520,26 @@ def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int,
 def _augmenting(tok, seqs: list[tuple[np.ndarray, np.ndarray]], config: SFTConfig
                 ) -> Transform | None:
     """Rename a `config.rename` share of the sequences, then noise the task of a
-    `config.instruction_noise` share (`learner.recipe.augment`); the words of the episodes'
-    shared system turn (the harness: tool and argument names) are never renamed. None when
-    neither is asked for."""
-    from learner.recipe.augment import InstructionNoise, Renamer
+    `config.instruction_noise` share and open the task of a `config.preamble` share with a
+    sentence (`learner.recipe.augment`); the words of the episodes' shared system turn (the
+    harness: tool and argument names) are never renamed. None when none is asked for."""
+    from learner.recipe.augment import InstructionNoise, Preamble, Renamer
 
-    if not config.rename and not config.instruction_noise:
+    if not config.rename and not config.instruction_noise and not config.preamble:
         return None
     ids = seqs[0][0].tolist()
     harness = tok.decode(ids[:ids.index(tok.special_tokens["<|im_end|>"])])
     renamer = Renamer(tok, harness, merge=config.rename_merge)
     noise = InstructionNoise(renamer, config.noise_rate)
+    preamble = Preamble(renamer)
 
     def transform(ids: np.ndarray, mask: np.ndarray, rng: random.Random):
         if rng.random() < config.rename:
             ids, mask = renamer(ids, mask, rng)
         if config.instruction_noise and rng.random() < config.instruction_noise:
             ids, mask = noise(ids, mask, rng)
+        if config.preamble and rng.random() < config.preamble:
+            ids, mask = preamble(ids, mask, rng)
         return ids, mask
     return transform
 

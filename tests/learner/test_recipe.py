@@ -690,6 +690,32 @@ def test_instruction_noise_replaces_only_task_words_the_episode_never_repeats(to
         == ids.tolist()
 
 
+def test_preamble_opens_the_task_and_changes_nothing_else(tok_dir, monkeypatch):
+    """Preamble on a real oracle episode: one sentence (an opener or pool words) and a space
+    before the first user turn's text, everything else (harness, the task itself, tool
+    results, the trained tokens and their mask) as it was; seeded."""
+    from learner.recipe.augment import OPENERS, USER_TURN, Preamble, Renamer
+    tok, ids, mask, pool, harness = renaming_setup(tok_dir, monkeypatch)
+    original = tok.decode(ids.tolist())
+    start = original.index(USER_TURN) + len(USER_TURN)
+    seen = set()
+    for seed in range(12):
+        preamble = Preamble(Renamer(tok, harness, pool=pool), words=0.5)
+        new_ids, new_mask = preamble(ids, mask, random.Random(seed))
+        opened = tok.decode(new_ids.tolist())
+        assert opened[:start] == original[:start]
+        head = opened[start:len(opened) - len(original) + start]
+        assert opened.endswith(original[start:]) and head.endswith(" ") and head.strip()
+        words = head.strip().rstrip(".:!").lower().split()
+        kind = "opener" if head.strip() in OPENERS else "words"
+        assert kind == "opener" or (2 <= len(words) <= 6 and all(w in pool for w in words))
+        seen.add(kind)
+        trained = lambda i, m: tok.decode(i[m.astype(bool)].tolist())
+        assert trained(new_ids, new_mask) == trained(ids, mask)
+        assert preamble(ids, mask, random.Random(seed))[0].tolist() == new_ids.tolist()
+    assert seen == {"opener", "words"}
+
+
 def test_sft_copy_windows_are_their_share_as_long_as_episodes_and_never_renamed(tok_dir):
     tok = load_tokenizer(tok_dir)
     start = tok.special_tokens["<|im_start|>"]
