@@ -62,8 +62,54 @@ inline __m512 widen_bf16(__m256i h) {  // 16 bf16 to fp32, exactly
 }
 #endif
 
-// The NB x M dot products of `dot_rows` (fp32 lanes, in registers or an array) summed by
-// `lane_sum`, biased and rounded once into y.
+#if defined(__AVX512F__)
+// out[i] = lane_sum(v[i]) for the 8 vectors v[0..7], bitwise: the same pairs added in the same
+// tree, but eight sums at a time across registers (a transpose as it adds) instead of one
+// horizontal sum each: 8 additions and 17 shuffles for eight sums, where eight `lane_sum`s
+// take 32 and 32. At K = 64 (attention's scores: two dot-product instructions a sum) those
+// cost more than the products.
+inline void lane_sums8(const __m512* v, float* out) {
+  __m512 c[4], e[2];
+  for (int i = 0; i < 4; ++i)       // s8: lanes 0-7 v[2i]'s a[l] + a[l + 8], 8-15 v[2i + 1]'s
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)       // s4: quarter q is v[4i + q]'s s8[l] + s8[l + 4]
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // quarter q: v[q]'s s4[0] + s4[2], s4[1] + s4[3], then v[4 + q]'s
+  const __m512 g = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(e[0]), _mm512_castps_pd(e[1]))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(e[0]), _mm512_castps_pd(e[1]))));
+  // quarter q: v[q]'s sum, v[4 + q]'s (and the two again)
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(g, g, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(g, g, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m256i order = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);  // v[0..7]'s lanes
+  _mm256_storeu_ps(out, _mm512_castps512_ps256(
+      _mm512_permutexvar_ps(_mm512_castsi256_si512(order), r)));
+}
+
+// The NB x M dot products of `dot_rows` (fp32 lanes in registers) summed by `lane_sum`'s
+// tree (eight at a time, `lane_sums8`), biased and rounded once into y.
+template <int M, int NB, class Out>
+inline void store_rows(const __m512 (&acc)[NB][M], int64_t n, const float* bias, Out* y,
+                       int64_t N) {
+  constexpr int C = NB * M;
+  __m512 v[(C + 7) / 8 * 8];
+  float s[(C + 7) / 8 * 8];
+  for (int i = 0; i < C; ++i) v[i] = acc[i / M][i % M];
+  for (int i = C; i < (C + 7) / 8 * 8; ++i) v[i] = _mm512_setzero_ps();
+  for (int i = 0; i < C; i += 8)
+    lane_sums8(v + i, s + i);
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) {
+      float t = s[j * M + m];
+      if (bias) t += bias[n + j];
+      y[m * N + n + j] = Out(t);
+    }
+}
+#else
+// The NB x M dot products of `dot_rows` (fp32 lanes in an array) summed by `lane_sum`,
+// biased and rounded once into y.
 template <int M, int NB, class Lanes, class Out>
 inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, Out* y,
                        int64_t N) {
@@ -74,6 +120,7 @@ inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, 
       y[m * N + n + j] = Out(s);
     }
 }
+#endif
 
 // Rows n..n+NB of w against the M rows of x (NB rows at a time for independent accumulators).
 #if defined(__AVX512BF16__)
@@ -179,44 +226,72 @@ inline float exp_lanes(float* s, int64_t n, float mx) {
   return lane_sum(sum);
 }
 
-// acc[j, d:d+16] = sum over t < S, in increasing t, of p[j * ps + t] * v[t, d:d+16] for the
-// GN rows j of acc (row stride D), in registers. A position every row gives weight 0 (masked:
-// exp(-inf)) is skipped, so what it holds (NaN in a cache column never written) never
-// reaches a row; adding a product with weight 0 would not change a sum's bits anyway, so a
-// row's result does not depend on the rows beside it.
-template <int GN>
+// acc[j, d:d+16*DB] = sum over t < S, in increasing t, of p[j * ps + t] * v[t, d:d+16*DB] for
+// the GN rows j of acc (row stride D), in registers; the last of the DB blocks of 16 lanes may
+// be partial (the values end at D). Each position's values are read and widened once for all
+// DB blocks and GN rows. A position every row gives weight 0 (masked: exp(-inf)) is skipped,
+// so what it holds (NaN in a cache column never written) never reaches a row; adding a
+// product with weight 0 would not change a sum's bits anyway, so a row's result does not
+// depend on the rows beside it.
+template <int GN, int DB>
 inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* v, int64_t D,
                          int64_t d, float* acc) {
-  const bool full = D - d >= kLanes;
-  const __mmask16 mask = full ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
-  __m512 a[GN];
-  for (int j = 0; j < GN; ++j) a[j] = _mm512_setzero_ps();
+  const int64_t tail = D - d - kLanes * (DB - 1);            // lanes of the last block
+  const bool full = tail >= kLanes;
+  const __mmask16 mask = full ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
+  __m512 a[GN][DB];
+  for (int j = 0; j < GN; ++j)
+    for (int b = 0; b < DB; ++b) a[j][b] = _mm512_setzero_ps();
   for (int64_t t = 0; t < S; ++t) {
     bool any = false;
     for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
     if (!any) continue;
     const uint16_t* vp = v + t * D + d;
-    const __m512 vv = widen_bf16(full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp))
-                                      : _mm256_maskz_loadu_epi16(mask, vp));
-    for (int j = 0; j < GN; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * ps + t]), vv, a[j]);
+    __m512 vv[DB];
+    for (int b = 0; b + 1 < DB; ++b)
+      vv[b] = widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + b * kLanes)));
+    const uint16_t* last = vp + (DB - 1) * kLanes;
+    vv[DB - 1] = widen_bf16(full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(last))
+                                 : _mm256_maskz_loadu_epi16(mask, last));
+    for (int j = 0; j < GN; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j * ps + t]);
+      for (int b = 0; b < DB; ++b) a[j][b] = _mm512_fmadd_ps(pj, vv[b], a[j][b]);
+    }
   }
-  for (int j = 0; j < GN; ++j) _mm512_mask_storeu_ps(acc + j * D + d, mask, a[j]);
+  for (int j = 0; j < GN; ++j) {
+    for (int b = 0; b + 1 < DB; ++b) _mm512_storeu_ps(acc + j * D + d + b * kLanes, a[j][b]);
+    _mm512_mask_storeu_ps(acc + j * D + d + (DB - 1) * kLanes, mask, a[j][DB - 1]);
+  }
 }
 
-// acc [R, D] = p [R, S] (row stride ps) @ v [S, D] (bf16 values, fp32 sums).
+template <int GN>
+inline void values_blocks(int64_t DB, const float* p, int64_t ps, int64_t S, const uint16_t* v,
+                          int64_t D, int64_t d, float* acc) {
+  switch (DB) {
+    case 1: values_block<GN, 1>(p, ps, S, v, D, d, acc); break;
+    case 2: values_block<GN, 2>(p, ps, S, v, D, d, acc); break;
+    case 3: values_block<GN, 3>(p, ps, S, v, D, d, acc); break;
+    default: values_block<GN, 4>(p, ps, S, v, D, d, acc); break;
+  }
+}
+
+// acc [R, D] = p [R, S] (row stride ps) @ v [S, D] (bf16 values, fp32 sums): up to 4 rows and
+// 64 lanes of D at a time, one pass over the positions each.
 inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
                             int64_t D, float* acc) {
-  for (int64_t d = 0; d < D; d += kLanes)
+  for (int64_t d = 0; d < D; d += 4 * kLanes) {
+    const int64_t blocks = std::min<int64_t>(4, (D - d + kLanes - 1) / kLanes);
     for (int64_t r = 0; r < R; r += 4) {
       const float* pr = p + r * ps;
       float* ar = acc + r * D;
       switch (std::min<int64_t>(4, R - r)) {
-        case 1: values_block<1>(pr, ps, S, v, D, d, ar); break;
-        case 2: values_block<2>(pr, ps, S, v, D, d, ar); break;
-        case 3: values_block<3>(pr, ps, S, v, D, d, ar); break;
-        default: values_block<4>(pr, ps, S, v, D, d, ar); break;
+        case 1: values_blocks<1>(blocks, pr, ps, S, v, D, d, ar); break;
+        case 2: values_blocks<2>(blocks, pr, ps, S, v, D, d, ar); break;
+        case 3: values_blocks<3>(blocks, pr, ps, S, v, D, d, ar); break;
+        default: values_blocks<4>(blocks, pr, ps, S, v, D, d, ar); break;
       }
     }
+  }
 }
 #else
 inline float exp_lanes(float* s, int64_t n, float mx) {
