@@ -229,7 +229,10 @@ class Preamble:
     ones naming the new name first ("The name `b` should replace `a`"), so the model learned
     where the old name stands, not what the sentence says. With a share of the training tasks
     opened by a sentence that says nothing about the task, where a name stands after an
-    opening no longer tells which it is."""
+    opening no longer tells which it is. Measured (README, "Where a name stands"): at 0.3 from
+    the start of SFT the first search took the old name in 9 of 16 probed tasks (2 before),
+    but the `sed` after it lost the new name (0 of 9 teacher-forced, the shipped model 8):
+    the model also finds the second name by its position. Off by default."""
 
     def __init__(self, renamer: Renamer, openers: tuple[str, ...] = OPENERS,
                  words: float = 0.5):
