@@ -33,6 +33,7 @@ import keyword
 import random
 import re
 import sys
+from typing import Callable
 
 import numpy as np
 
@@ -152,6 +153,30 @@ END_TURN = "<|im_end|>"
 _PLAIN_WORD = re.compile(r"(?<![\w./`-])[A-Za-z]+(?![\w./`-])")
 
 
+def task_start(sequence: str) -> int:
+    """Where the first user turn's text begins in `sequence`, or -1 when it has none."""
+    start = sequence.find(USER_TURN)
+    return start if start < 0 else start + len(USER_TURN)
+
+
+def edit_task(renamer: Renamer, ids: np.ndarray, mask: np.ndarray,
+              edit: Callable[[str, str], str]) -> tuple[np.ndarray, np.ndarray]:
+    """`ids` with the run the task sits in (the first untrained one, as `Renamer.runs` splits
+    them) replaced by `edit(its text, the text after it)`, each run encoded on its own, the
+    loss mask carried over; `ids` and `mask` themselves when there is no such run or the edit
+    changes nothing."""
+    runs = renamer.runs(ids, mask)
+    first = next((k for k, (_, trained) in enumerate(runs) if not trained), None)
+    if first is None:
+        return ids, mask
+    text = runs[first][0]
+    new = edit(text, "".join(t for t, _ in runs[first + 1:]))
+    if new == text:
+        return ids, mask
+    runs[first] = (new, False)
+    return renamer.rename(runs, {}, ids.dtype, mask.dtype)
+
+
 class InstructionNoise:
     """Replaces a share of the plain words of an episode's task with random words.
 
@@ -172,10 +197,9 @@ class InstructionNoise:
     def text(self, sequence: str, rng: random.Random, after: str = "") -> str:
         """`sequence` with the plain words of its first user turn's task noised; `after`: the
         text that follows `sequence` in the episode (words it repeats are kept)."""
-        start = sequence.find(USER_TURN)
+        start = task_start(sequence)
         if start < 0:
             return sequence
-        start += len(USER_TURN)
         end = sequence.find(END_TURN, start)
         end = len(sequence) if end < 0 else end
         task_end = sequence.find("\n\n" + MENTIONS_HEADER, start, end)
@@ -194,15 +218,9 @@ class InstructionNoise:
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: random.Random
                  ) -> tuple[np.ndarray, np.ndarray]:
-        """`ids` with its task's words noised (the runs as `Renamer.runs` splits them; the task
-        sits in the first untrained run), the loss mask carried over."""
-        runs = self.renamer.runs(ids, mask)
-        first = next((k for k, (_, trained) in enumerate(runs) if not trained), None)
-        if first is None:
-            return ids, mask
-        after = "".join(text for text, _ in runs[first + 1:])
-        runs[first] = (self.text(runs[first][0], rng, after), False)
-        return self.renamer.rename(runs, {}, ids.dtype, mask.dtype)
+        """`ids` with its task's words noised (`edit_task`), the loss mask carried over."""
+        return edit_task(self.renamer, ids, mask,
+                         lambda text, after: self.text(text, rng, after))
 
 
 # -- preambles ---------------------------------------------------------------------------------
@@ -247,19 +265,12 @@ class Preamble:
 
     def text(self, sequence: str, rng: random.Random) -> str:
         """`sequence` with a sentence before its first user turn's text."""
-        start = sequence.find(USER_TURN)
+        start = task_start(sequence)
         if start < 0:
             return sequence
-        start += len(USER_TURN)
         return sequence[:start] + self.sentence(rng) + " " + sequence[start:]
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray, rng: random.Random
                  ) -> tuple[np.ndarray, np.ndarray]:
-        """`ids` with a preamble before its task (in the first untrained run, as
-        `InstructionNoise` finds it), the loss mask carried over."""
-        runs = self.renamer.runs(ids, mask)
-        first = next((k for k, (_, trained) in enumerate(runs) if not trained), None)
-        if first is None or USER_TURN not in runs[first][0]:
-            return ids, mask
-        runs[first] = (self.text(runs[first][0], rng), False)
-        return self.renamer.rename(runs, {}, ids.dtype, mask.dtype)
+        """`ids` with a preamble before its task (`edit_task`), the loss mask carried over."""
+        return edit_task(self.renamer, ids, mask, lambda text, _after: self.text(text, rng))
