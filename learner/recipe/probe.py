@@ -37,13 +37,22 @@ def variants(instruction: str) -> dict[str, str]:
     return out
 
 
-def name_margins(policy, tasks) -> dict[tuple[str, str], list[float]]:
-    """{(wording, variant): [log P(old) - log P(new) per task]} for rename tasks `tasks`."""
+def prompt_ids(policy, instruction: str) -> list[int]:
+    """The agent's first prompt for `instruction` (default system prompt and tools) followed
+    by the oracle's first turn up to its search pattern (`PREFIX`), in `policy`'s tokens."""
     from agent_runtime.agent import DEFAULT_SYSTEM_PROMPT
     from agent_runtime.tools.base import tool_schema
     from agent_runtime.tools.registry import default_tools
+    messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                {"role": "user", "content": instruction}]
+    rendered = policy.template.render(messages, tools=[tool_schema(t) for t in default_tools()],
+                                      add_generation_prompt=True)
+    return policy.tokenizer.encode(rendered + PREFIX)
+
+
+def name_margins(policy, tasks) -> dict[tuple[str, str], list[float]]:
+    """{(wording, variant): [log P(old) - log P(new) per task]} for rename tasks `tasks`."""
     from learner.tasks.rename import PHRASES
-    schemas = [tool_schema(t) for t in default_tools()]
     tok, model = policy.tokenizer, policy.model
 
     def logp(prefix: list[int], name: str) -> float:
@@ -58,10 +67,7 @@ def name_margins(policy, tasks) -> dict[tuple[str, str], list[float]]:
         old, new = task.meta["old"], task.meta["new"]
         wording = PHRASES[task.meta["phrase"][0]].text[:40]
         for name, text in variants(task.instruction).items():
-            messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
-                        {"role": "user", "content": text}]
-            rendered = policy.template.render(messages, tools=schemas, add_generation_prompt=True)
-            prefix = tok.encode(rendered + PREFIX)
+            prefix = prompt_ids(policy, text)
             out[(wording, name)].append(logp(prefix, old) - logp(prefix, new))
     return out
 

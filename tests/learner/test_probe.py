@@ -1,5 +1,5 @@
-"""learner.recipe.probe: the rewordings it scores, and its margins against transformers'
-own forward pass on the same prompts."""
+"""learner.recipe.probe: the rewordings it scores, the prompt it scores them after, and its
+margins against transformers' own forward pass on the same prompts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 from tiny_checkpoints import save_tiny_agent_checkpoint  # noqa: E402
 
-from learner.recipe.probe import PREFIX, name_margins, variants  # noqa: E402
+from learner.recipe.probe import name_margins, prompt_ids, variants  # noqa: E402
 
 
 def test_variants_keep_the_task_and_drop_only_an_opening_sentence():
@@ -24,10 +24,7 @@ def test_variants_keep_the_task_and_drop_only_an_opening_sentence():
 
 def test_margins_are_the_log_probabilities_transformers_gives_the_two_names(tmp_path):
     from transformers import AutoModelForCausalLM
-    from agent_runtime.agent import DEFAULT_SYSTEM_PROMPT
     from agent_runtime.policies.engine import EnginePolicy
-    from agent_runtime.tools.base import tool_schema
-    from agent_runtime.tools.registry import default_tools
     from learner.tasks import generate
     from learner.tasks.rename import PHRASES
     ckpt = save_tiny_agent_checkpoint(tmp_path / "ckpt")
@@ -37,7 +34,7 @@ def test_margins_are_the_log_probabilities_transformers_gives_the_two_names(tmp_
     margins = name_margins(policy, tasks)
     assert sum(len(m) for m in margins.values()) == sum(len(variants(t.instruction)) for t in tasks)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
-    tok, schemas = policy.tokenizer, [tool_schema(t) for t in default_tools()]
+    tok = policy.tokenizer
 
     def logp(prefix, name):
         ids = tok.encode(name)
@@ -46,10 +43,10 @@ def test_margins_are_the_log_probabilities_transformers_gives_the_two_names(tmp_
         return sum(lp[len(prefix) - 1 + i, t].item() for i, t in enumerate(ids))
 
     task = tasks[0]
-    messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
-                {"role": "user", "content": task.instruction}]
-    prefix = tok.encode(policy.template.render(messages, tools=schemas,
-                                               add_generation_prompt=True) + PREFIX)
+    prefix = prompt_ids(policy, task.instruction)
+    assert tok.decode(prefix).endswith(task.instruction + "<|im_end|>\n<|im_start|>assistant\n"
+                                       'Let me find all uses.\n<tool_call>\n{"name": "grep", '
+                                       '"arguments": {"pattern": "')
     expected = logp(prefix, task.meta["old"]) - logp(prefix, task.meta["new"])
     got = margins[(PHRASES[task.meta["phrase"][0]].text[:40], "as worded")][0]
     assert abs(got - expected) < 1e-3, (got, expected)
