@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from agent_runtime.model.config import ModelArgs, args_from_hf
-from agent_runtime.model.model import MoEModel
+from agent_runtime.model.model import MoEModel, rope_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
     model.load_state_dict(state, strict=True, assign=True)
     if a.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    D = a.head_dim
-    model.inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
+    model.inv_freq = rope_frequencies(a)           # fp32, whatever `dtype` the weights have
     model.eval()
     return model.to(device) if str(device) != "cpu" else model
 

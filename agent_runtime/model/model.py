@@ -319,6 +319,18 @@ class Block(nn.Module):
         return x, idx
 
 
+def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """The rotary inverse frequencies [D/2] in fp32, as `transformers` computes them.
+
+    A bf16 copy of them is off by up to 0.4 %: for the default model's shape, a rotary pair's
+    angle between tokens 4,095 positions apart is then wrong by up to 0.73 radians (0.18 at
+    1,000). `.to(torch.bfloat16)` of a whole model rounds the `inv_freq` buffer with the
+    weights, so tables built from it (a bf16 training copy's, before this function) train the
+    model on relative positions that serving it, and transformers, never show it."""
+    D = args.head_dim
+    return 1.0 / (args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float, device=device) / D))
+
+
 class MoEModel(nn.Module):
     def __init__(self, args: ModelArgs, hf_config: dict | None = None):
         super().__init__()
@@ -330,9 +342,7 @@ class MoEModel(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        D = args.head_dim
-        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -343,11 +353,14 @@ class MoEModel(nn.Module):
         return KVCache(self.args, batch, max_len, attention_dtype(self.dtype, device), device)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, D] for these positions, from a table built once per dtype/device."""
-        key = (dtype, self.inv_freq.device, self.inv_freq.data_ptr())
+        """cos, sin [B, T, D] for these positions, from a table built once per dtype/device.
+        The frequencies are computed again in fp32 (`rope_frequencies`), not read from the
+        `inv_freq` buffer, which `model.to(torch.bfloat16)` rounds with the weights."""
+        device = self.inv_freq.device
+        key = (dtype, device)
         if getattr(self, "_rope_key", None) != key:
-            pos = torch.arange(self.args.max_position, device=self.inv_freq.device).float()
-            freqs = pos[:, None] * self.inv_freq.float()                   # [P, D/2]
+            pos = torch.arange(self.args.max_position, device=device).float()
+            freqs = pos[:, None] * rope_frequencies(self.args, device)    # [P, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope_table = (emb.cos().to(dtype), emb.sin().to(dtype))
             self._rope_key = key

@@ -93,3 +93,21 @@ def test_training_gradients_match_transformers_and_a_naive_expert_loop(family, t
     for n, p in naive.named_parameters():
         if p.grad is not None:
             assert (grads[n] - p.grad).abs().max().item() < 1e-5, n
+
+
+def test_a_bf16_cast_of_the_whole_model_keeps_fp32_rotary_frequencies(tmp_path):
+    """`model.to(torch.bfloat16)` (how the trainers make their bf16 working copy) rounds the
+    `inv_freq` buffer with the weights; the rotary tables must not follow it, or the copy
+    trains on relative positions that loading the checkpoint in bf16 never shows (the shipped
+    model was, by up to 0.73 radians a pair at 4,096 positions). Far positions, where the
+    rounding shows: the same logits, bit for bit, as the model loaded in bf16."""
+    path = save_hf_checkpoint("qwen3_moe", tmp_path / "m", max_position_embeddings=2048,
+                              rope_theta=1e8)
+    loaded = load_model(path, dtype="bfloat16")
+    cast = load_model(path, dtype="float32").to(torch.bfloat16)
+    assert cast.inv_freq.dtype == torch.bfloat16               # the buffer did round
+    ids = torch.randint(0, VOCAB, (1, 2048), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = loaded(ids).logits[0, -64:]
+        got = cast(ids).logits[0, -64:]
+    assert torch.equal(expected, got)
