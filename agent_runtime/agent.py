@@ -140,7 +140,8 @@ class Agent:
     def __init__(self, policy: Policy, tools: list[Tool] | None = None, store: Any = None,
                  workspace: str | Path = ".", *, config: AgentConfig | None = None,
                  callbacks: Callbacks | None = None, sandbox: Any = None,
-                 cancel_event: threading.Event | None = None):
+                 cancel_event: threading.Event | None = None,
+                 should_stop: Callable[[], bool] | None = None):
         if tools is None:                      # the built-ins and every plugin's tools
             from agent_runtime.hooks import plugin_tools
             tools = plugin_tools(workspace)
@@ -157,6 +158,7 @@ class Agent:
                         else None)
         self.sandbox = sandbox if sandbox is not None else _default_sandbox(self.workspace)
         self.cancel_event = cancel_event or threading.Event()
+        self._should_stop = should_stop          # the caller's own stop (a learner's run)
         self.session_id: str | None = None
         self.context: Context | None = None
         self.steps = 0
@@ -166,6 +168,12 @@ class Agent:
     def cancel(self) -> None:
         """Stop at the next check: between steps, between tool calls, or inside generation."""
         self.cancel_event.set()
+
+    def stopping(self) -> bool:
+        """Whether the run must stop: cancelled (`cancel`, which a new run clears), or the
+        `should_stop` the agent was made with (never cleared here) turned true."""
+        return self.cancel_event.is_set() or (self._should_stop is not None
+                                              and self._should_stop())
 
     # -- entry points --------------------------------------------------------------------
 
@@ -228,7 +236,7 @@ class Agent:
 
     def step(self) -> None:
         """One model call and the tool calls it made; raises `AgentExit` to leave the loop."""
-        if self.cancel_event.is_set():
+        if self.stopping():
             raise Cancelled("cancelled by the user")
         if self.steps >= self.config.max_steps:
             raise BudgetExhausted(f"the step budget of {self.config.max_steps} is spent")
@@ -243,7 +251,7 @@ class Agent:
             held = {"grammar": self.grammar.at(WorkspaceView(self.workspace))}
         completion = self.policy.complete(
             self.context.messages, self.schemas, max_new_tokens=self.config.max_new_tokens,
-            on_text=self.callbacks.on_text, should_stop=self.cancel_event.is_set, **held)
+            on_text=self.callbacks.on_text, should_stop=self.stopping, **held)
         turn = parse_tool_calls(completion.text)
         calls = check_calls(turn.calls, self.tools)
         message: dict[str, Any] = {"role": "assistant", "content": turn.content}
@@ -270,7 +278,7 @@ class Agent:
         """Replace the context by the policy's own summary of it; starts the next segment."""
         old = self.context.segment
         request, completion, summary = self.context.summarize(
-            self.policy, should_stop=self.cancel_event.is_set)
+            self.policy, should_stop=self.stopping)
         if completion.finish_reason == names.FINISH_CANCELLED:
             raise Cancelled("cancelled by the user")
         carried = self.context.restart(summary)
@@ -292,7 +300,7 @@ class Agent:
         finish()'s summary when finish succeeded."""
         finish_summary = None
         for n, group in enumerate(self._groups(calls)):
-            if self.cancel_event.is_set():
+            if self.stopping():
                 rest = [c for g in self._groups(calls)[n:] for c in g]
                 self._record_calls(rest, message_id, [ToolOutcome(
                     "Not run: the user cancelled the session before this call.", False)] * len(rest))

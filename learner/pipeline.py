@@ -56,12 +56,16 @@ class GroupRunner(Protocol):
 
 def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
                   should_stop: Callable[[], bool] = lambda: False) -> Group:
+    """The group's episodes, on threads; once `should_stop()` turns true, each episode
+    still running ends at its next check (`run_episode`), so a stopped run's rollout worker
+    does not play its group to the end."""
     from agent_runtime.policies.batching import BatchingPolicy
     from learner.rollout import run_episodes
     if config.concurrency > 1 and batches(policy):
         policy = BatchingPolicy(policy, max_batch=config.concurrency)
     eps = run_episodes(lambda _task: policy, [task] * config.group_size, store,
-                       concurrency=config.concurrency, max_steps=config.max_steps)
+                       concurrency=config.concurrency, max_steps=config.max_steps,
+                       should_stop=should_stop)
     return Group(task.id, [Episode(e.session_id, float(e.reward), bool(e.passed)) for e in eps],
                  [store.samples(e.session_id) for e in eps])
 
@@ -432,7 +436,7 @@ def _worker_main(config: RunConfig, model_path: str, home: str, board: WeightBoa
                 except queue.Empty:
                     continue
                 g = runner(board.follow(policy), tasks[i % len(tasks)], store, config.rollout,
-                           stop.is_set)
+                           lambda: stop.is_set() or os.getppid() != parent)
                 item = ("group", Group(g.task_id, g.episodes))
                 while not stop.is_set() and os.getppid() == parent:
                     try:

@@ -49,14 +49,18 @@ class Episode:
 def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = None,
                 max_steps: int = 20, sandbox=None, agent_config: AgentConfig | None = None,
                 tools: list | None = None, keep_workspace: bool = False,
-                origin: str = ORIGIN_ROLLOUT) -> Episode:
+                origin: str = ORIGIN_ROLLOUT,
+                should_stop: Callable[[], bool] | None = None) -> Episode:
     """One graded agent run of `policy` on `task`; the reward is recorded in `store`.
 
     The session is marked with `origin` ("rollout", or "eval" for evaluations): never
     learned from as user data, and hidden from `apprentice sessions list`.
     `sandbox`: a `SandboxConfig` or a mode ("auto", "off", "require"); None is the default
     config ($APPRENTICE_SANDBOX, else "auto"). `agent_config` overrides `max_steps`.
-    `workdir`: where the temporary workspace is made (default: the system's temp folder)."""
+    `workdir`: where the temporary workspace is made (default: the system's temp folder).
+    `should_stop`: once it turns true the episode ends at its next check (inside a model
+    call, between tool calls: the agent's cancel, status "cancelled"); the workspace is
+    graded as it was left."""
     from agent_runtime.sandbox import SandboxConfig
     start = time.monotonic()
     config = sandbox_config(task, sandbox if sandbox is not None else SandboxConfig())
@@ -77,7 +81,8 @@ def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = Non
         agent = Agent(policy, tools=tools, store=store, workspace=workspace,
                       config=replace(agent_config or AgentConfig(max_steps=max_steps),
                                      origin=origin),
-                      callbacks=Callbacks(on_sample=count), sandbox=box)
+                      callbacks=Callbacks(on_sample=count), sandbox=box,
+                      should_stop=should_stop)
         result = agent.run(task.instruction)
         graded = grade(task, workspace, sandbox=config,
                        transcript=store.tool_calls(result.session_id))

@@ -221,3 +221,40 @@ def test_learn_grpo_rejects_a_bad_task_spec_before_loading_anything():
     result = CliRunner().invoke(main, ["learn", "grpo", "--tasks", "sim:seeds=3"])
     assert result.exit_code == 2
     assert "seed=N and phrasings=SHARE" in result.output
+
+
+class _Reader:
+    """Reads the same file forever (never finishes); calls `on_call` before each answer."""
+    name, version, context_window = "reader", 0, 4096
+
+    def __init__(self, on_call):
+        self.on_call, self.calls = on_call, 0
+
+    def count_tokens(self, messages, tools=None):
+        return 10
+
+    def complete(self, messages, tools=None, **kw):
+        import json
+        from agent_runtime.policies.base import Completion
+        self.calls += 1
+        self.on_call(self.calls)
+        text = ("<tool_call>\n" + json.dumps({"name": "list_files", "arguments": {}})
+                + "\n</tool_call>")
+        return Completion(text=text, prompt_ids=[1], completion_ids=[2], logprobs=[0.0])
+
+
+def test_a_sim_group_ends_its_episodes_when_the_run_stops(tmp_path):
+    """The run stops during the group's third model call: the episodes end there as
+    "cancelled" instead of playing their 40 steps (a stopped pipeline's rollout worker
+    otherwise went on until its group ended)."""
+    from learner import tasks
+    stopped = threading.Event()
+    policy = _Reader(lambda n: n == 3 and stopped.set())
+    task = tasks.generate("train", 1, seed=0)[0]
+    with SessionStore(tmp_path / "home") as store:
+        group = pipeline.run_sim_group(policy, task, store,
+                                       RolloutConfig(group_size=2, concurrency=1, max_steps=40),
+                                       stopped.is_set)
+        statuses = [store.get_session(e.session_id)["status"] for e in group.episodes]
+    assert statuses == ["cancelled", "cancelled"]
+    assert policy.calls < 10           # 3 model calls, and at most one more a poll
