@@ -429,16 +429,20 @@ def _worker_main(config: RunConfig, model_path: str, home: str, board: WeightBoa
         torch.manual_seed(config.pipeline.seed * 1009 + index + 1)
         policy = rollout_policy(config, model_path)
         tasks, runner = task_family(config.tasks, config.pipeline.seed)
+
+        def stopped() -> bool:
+            return stop.is_set() or os.getppid() != parent
+
         with SessionStore(home) as store:
-            while not stop.is_set() and os.getppid() == parent:
+            while not stopped():
                 try:
                     i = tasks_q.get(timeout=0.1)
                 except queue.Empty:
                     continue
                 g = runner(board.follow(policy), tasks[i % len(tasks)], store, config.rollout,
-                           lambda: stop.is_set() or os.getppid() != parent)
+                           stopped)
                 item = ("group", Group(g.task_id, g.episodes))
-                while not stop.is_set() and os.getppid() == parent:
+                while not stopped():
                     try:
                         out_q.put(item, timeout=0.1)
                         break
