@@ -226,7 +226,8 @@ class Trainer:
         acc = _Acc()
         for batch in self.micro_batches(samples):
             for s, out in zip(batch, self.forward_batch(batch, replay)):
-                acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device))
+                acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device),
+                                s.forced)
         return acc.diagnostics()
 
     # -- one update -------------------------------------------------------------------------
@@ -260,8 +261,8 @@ class Trainer:
                 (loss.sum() / n_tok).backward()
                 if self._work is not None:
                     self._work.grads_to_master()
-            for out, b in zip(outs, behaviour):
-                acc.add_forward(out, b)
+            for s, out, b in zip(batch, outs, behaviour):
+                acc.add_forward(out, b, s.forced)
             acc.add_loss(float(loss.detach().sum()), stats)
         updated = n_tok > 0
         grad_norm = math.nan
@@ -385,8 +386,16 @@ class _Acc:
         self.loss = 0.0
         self.stats: dict[str, float] = {}
 
-    def add_forward(self, out: ForwardOut, behaviour: torch.Tensor) -> None:
+    def add_forward(self, out: ForwardOut, behaviour: torch.Tensor,
+                    forced: Sequence[int] = ()) -> None:
+        """KL and the largest logprob difference over the tokens the model sampled: a token the
+        call grammar chose (`forced`) was not drawn from the behaviour policy, so the k3
+        estimate does not apply to it, and its ratio is extreme whenever the two models
+        differ at all."""
         lp = out.logprobs.detach()
+        sampled = torch.ones(lp.numel(), dtype=torch.bool, device=lp.device)
+        sampled[[i for i in forced if 0 <= i < lp.numel()]] = False
+        lp, behaviour = lp[sampled], behaviour[sampled]
         self.tokens += lp.numel()
         self.flips += out.flips
         self.routed += out.routed

@@ -62,6 +62,20 @@ def test_replay_reproduces_behaviour_logprobs_on_policy(ckpt, tmp_path):
     assert m["flip_rate"] == 0.0 and m["max_logprob_diff"] < 1e-5 and m["kl"] < 1e-9
 
 
+def test_behaviour_kl_leaves_out_the_tokens_the_call_grammar_chose(ckpt, tmp_path):
+    """A forced token was not sampled from the behaviour policy, so its ratio says nothing
+    about how far the two models are: marked forced, an off logprob there leaves the KL and
+    the largest difference at those of the sampled tokens; unmarked, it dominates both."""
+    samples = rollouts(ckpt, n=2)
+    t = trainer(ckpt, tmp_path)
+    off = [replace(s, logprobs=[*s.logprobs[:-1], s.logprobs[-1] - 8.0]) for s in samples]
+    forced = [replace(s, forced=(s.n_tokens - 1,)) for s in off]
+    m = t.measure(forced)
+    assert m["kl"] < 1e-9 and m["max_logprob_diff"] < 1e-5
+    m = t.measure(off)
+    assert m["kl"] > 1.0 and m["max_logprob_diff"] > 7.9
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.6])
 def test_samples_recorded_at_any_temperature_train_against_their_own_logprobs(
         ckpt, tmp_path, temperature):
