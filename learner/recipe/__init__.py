@@ -8,6 +8,7 @@ Stages (each in `DIR/<stage>/`, each ending with a `metrics.json`, each resumabl
 2. `corpus` — the corpus tokenized, train / held-out split by file;
 3. `pretrain` — a fresh MoE trained on next-token prediction, held-out perplexity;
 4. `sft_data`, `sft` — oracle trajectories through the real agent loop, loss on assistant tokens;
+   then (`SFTConfig.code`) a second phase with extra episodes of the code-writing families;
 5. `rft` — expert iteration: the SFT model's own verified passes on fresh training tasks,
    fine-tuned on (`learner.recipe.rft`);
 6. `grpo` — the learner's GRPO pipeline on the simulated training split, router replay on;
@@ -24,7 +25,7 @@ from learner.recipe.evaluate import EvalConfig
 from learner.recipe.lm import LMConfig
 from learner.recipe.pretrain import ModelShape, PretrainConfig
 from learner.recipe.rft import RFTConfig
-from learner.recipe.sft import SFTConfig
+from learner.recipe.sft import CodeConfig, SFTConfig
 from learner.recipe.stages import STAGES, GRPOStageConfig, RecipeConfig, run_recipe
 from learner.recipe.tokenizer_stage import TokenizerConfig
 
@@ -64,7 +65,9 @@ def default_recipe() -> RecipeConfig:
                            fit_to_time=True, checkpoint_every=100, log_every=20,
                            head_on_mask=True),
             tasks=2000, workers=2, batch_tokens=4096, small_window=(1400, 2048), rename=0.9,
-            copy_share=0.2, slip_share=0.3, misfix_share=0.25, heldout_tasks=64),
+            copy_share=0.2, slip_share=0.3, misfix_share=0.25, heldout_tasks=64,
+            # then 1,500 steps on that data plus 2,400 episodes of the code-writing families
+            code=CodeConfig(tasks=2400)),
         # expert iteration is off: one round (192 tasks, 60 steps) measured -3 and +2 points on
         # 100 held-out tasks from two SFT checkpoints (README, "Runs since the shipped one")
         rft=RFTConfig(rounds=0),
@@ -85,7 +88,10 @@ def toy_recipe() -> RecipeConfig:
             eval_windows=8, eval_every=30),
         sft=SFTConfig(train=LMConfig(steps=10, lr=1e-3, warmup=2, weight_decay=0.0,
                                      log_every=5, checkpoint_every=5),
-                      tasks=6, workers=1, batch_size=2, slip_share=0.5, heldout_tasks=2),
+                      tasks=6, workers=1, batch_size=2, slip_share=0.5, heldout_tasks=2,
+                      code=CodeConfig(tasks=3, train=LMConfig(
+                          steps=2, lr=1e-4, warmup=1, weight_decay=0.0, log_every=1,
+                          checkpoint_every=2))),
         rft=RFTConfig(rounds=1, tasks=2, concurrency=2, max_steps=2, max_new_tokens=32,
                       sft=SFTConfig(train=LMConfig(steps=2, lr=1e-4, warmup=1, weight_decay=0.0,
                                                    log_every=1, checkpoint_every=2),

@@ -25,7 +25,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,25 @@ from agent_runtime.context import SUMMARY_REQUEST
 from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
 from learner.recipe.lm import LMConfig, train_lm
 from learner.tasks.oracle import OraclePolicy
+
+
+CODE_FAMILIES = ("fix_bug", "implement_function", "add_feature")     # the families that write code
+
+
+@dataclass
+class CodeConfig:
+    """The second phase of SFT: the first phase's model trained on, mixed with the stage's
+    data, extra oracle episodes of the families that write code (`CODE_FAMILIES`). A model
+    this size learns the other families from the data SFT has, but not which body a docstring
+    asks for, which comparison is a bug, or what a new function must do: measured on the 200
+    held-out tasks, `r13` plus this phase (2,400 episodes, 1,500 steps) went from 41.0 % to
+    50.0 %, implement_function 0 -> 7 / 34, fix_bug 6 -> 12 (README, "The shipped model")."""
+    tasks: int = 0                  # instances solved by the oracle (0: no second phase)
+    task_seed: int = 2              # their generator seed: instances the first phase never saw
+    phrasings: float = 0.6          # share of them with composed instructions
+    train: LMConfig = field(default_factory=lambda: LMConfig(
+        steps=1500, lr=3e-4, warmup=20, weight_decay=0.0, max_seconds=0, fit_to_time=False,
+        checkpoint_every=100, log_every=50))
 
 
 @dataclass
@@ -80,6 +99,7 @@ class SFTConfig:
     heldout_tasks: int = 0          # held-out-split instances solved by the oracle too: the
                                     # SFT checkpoint's loss and exact next tokens on their
                                     # assistant turns (a cheap proxy for pass@1, no decoding)
+    code: CodeConfig = field(default_factory=CodeConfig)    # the second phase (off: tasks 0)
     device: str = "auto"            # "auto": cuda when available, else cpu
     seed: int = 0                   # episode windows and batch order
 
@@ -390,15 +410,38 @@ def collect(tokenizer_dir: Path, out: Path, config: SFTConfig, split: str = "tra
     """Solve `tasks` (default `config.tasks`) instances of `split` with the recording oracle;
     save their sequences to `out`. Held-out episodes get the same windows and slips."""
     n = config.tasks if tasks is None else tasks
-    rng = random.Random(config.seed)
+    return _collect(tokenizer_dir, out, config, list(range(n)), random.Random(config.seed),
+                    split, config.task_seed, config.phrasings)
+
+
+def collect_code(tokenizer_dir: Path, out: Path, config: SFTConfig) -> dict:
+    """`config.code.tasks` training instances of the code-writing families (`CODE_FAMILIES`,
+    in turn), from the generator seed `config.code.task_seed`, solved like `collect`'s."""
+    c = config.code
+    return _collect(tokenizer_dir, out, config, code_numbers(c.tasks),
+                    random.Random(c.task_seed), "train", c.task_seed, c.phrasings)
+
+
+def code_numbers(n: int) -> list[int]:
+    """The first `n` instance numbers of `generate` (families in turn) that are of
+    `CODE_FAMILIES`."""
+    from learner import tasks as sim
+    picked = [i for i, f in enumerate(sim.FAMILIES) if f in CODE_FAMILIES]
+    span = -(-n * len(sim.FAMILIES) // len(picked))
+    return [j for j in range(span) if j % len(sim.FAMILIES) in picked][:n]
+
+
+def _collect(tokenizer_dir: Path, out: Path, config: SFTConfig, numbers: list[int],
+             rng: random.Random, split: str, task_seed: int, phrasings: float) -> dict:
+    """Instances `numbers` of `generate(split, ..., seed=task_seed)`, their windows, slips and
+    misfixes drawn from `rng`, solved in `config.workers` processes; sequences saved to `out`."""
     windows = [rng.randint(*config.small_window) if rng.random() < config.summary_share
-               else config.context_window for _ in range(n)]
-    slipped = [i for i in range(n) if rng.random() < config.slip_share]
-    misfixed = [i for i in range(n) if rng.random() < config.misfix_share]
-    numbers = list(range(n))
-    k = max(1, min(n, config.workers or (os.cpu_count() or 2) - 1))
-    chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], config.task_seed, slipped,
-                    misfixed, split, config.phrasings, config.grep_slips, config.mentions)
+               else config.context_window for _ in numbers]
+    slipped = [i for i in numbers if rng.random() < config.slip_share]
+    misfixed = [i for i in numbers if rng.random() < config.misfix_share]
+    k = max(1, min(len(numbers), config.workers or (os.cpu_count() or 2) - 1))
+    chunks = [Chunk(str(tokenizer_dir), numbers[i::k], windows[i::k], task_seed, slipped,
+                    misfixed, split, phrasings, config.grep_slips, config.mentions)
               for i in range(k)]
     if k == 1:
         parts = [_collect_chunk(chunks[0])]
@@ -572,18 +615,20 @@ def _episodes_only(transform: Transform | None, start: int) -> Transform | None:
     return apply
 
 
-def run(start_dir: Path, data: Path, out: Path, config: SFTConfig,
+def run(start_dir: Path, data: Path | Sequence[Path], out: Path, config: SFTConfig,
         log: Callable[[dict], None] = print) -> dict:
-    """Fine-tune the checkpoint in `start_dir` on `data` (see `collect`); write `out/model`."""
+    """Fine-tune the checkpoint in `start_dir` on `data` (one or more files `collect` wrote);
+    write `out/model`."""
     from agent_runtime.model import load_model, load_tokenizer, save_model
     from learner.recipe.pretrain import MAX_SHARD_BYTES, copy_tokenizer, pick_device
 
     device = pick_device(config.device)
     tok = load_tokenizer(start_dir)
     model = load_model(start_dir, dtype="float32")
-    seqs = load_sequences(data)
+    files = [Path(data)] if isinstance(data, (str, Path)) else [Path(d) for d in data]
+    seqs = [s for f in files for s in load_sequences(f)]
     if not seqs:
-        raise ValueError(f"{data}: no SFT sequences")
+        raise ValueError(f"{', '.join(map(str, files))}: no SFT sequences")
     pad = tok.special_tokens["<|endoftext|>"]
     transform = _augmenting(tok, seqs, config)
     if config.copy_share:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -161,6 +161,9 @@ def _pretrain(out: Path, config: RecipeConfig, log) -> dict:
 def _sft_data(out: Path, config: RecipeConfig, log) -> dict:
     from learner.recipe import sft
     metrics = sft.collect(out / "tokenizer", out / "sft_data" / "data.npz", config.sft)
+    if config.sft.code.tasks:
+        metrics["code"] = sft.collect_code(out / "tokenizer", out / "sft_data" / "code.npz",
+                                           config.sft)
     if config.sft.heldout_tasks:
         metrics["heldout"] = sft.collect(out / "tokenizer", out / "sft_data" / "heldout.npz",
                                          config.sft, split="heldout",
@@ -174,8 +177,26 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
     from agent_runtime.model import load_model
     from learner.recipe import sft
     from learner.recipe.pretrain import copy_probe
-    metrics = sft.run(out / "pretrain" / "model", out / "sft_data" / "data.npz", out / "sft",
-                      config.sft, log)
+    data = out / "sft_data" / "data.npz"
+    code = config.sft.code
+    if not code.tasks:
+        metrics = sft.run(out / "pretrain" / "model", data, out / "sft", config.sft, log)
+    else:       # two phases: sft/base/model, then it with the code episodes -> sft/model
+        base = out / "sft" / "base"
+        done = base / "metrics.json"
+        if done.exists():
+            metrics = json.loads(done.read_text())
+        else:
+            metrics = sft.run(out / "pretrain" / "model", data, base, config.sft, log)
+            write_json(done, metrics)
+        episodes = out / "sft_data" / "code.npz"
+        if not episodes.exists():
+            raise FileNotFoundError(
+                f"{episodes} is missing: sft.code.tasks is {code.tasks} but the sft_data stage "
+                f"collected no code episodes; delete {out / 'sft_data' / 'metrics.json'} and "
+                f"run the sft_data stage again")
+        metrics["code"] = sft.run(base / "model", [data, episodes],
+                                  out / "sft", replace(config.sft, train=code.train), log)
     heldout = np.load(out / "corpus" / "corpus.npz")["heldout"]
     model = load_model(out / "sft" / "model", dtype="float32")
     metrics["copy_probe"] = copy_probe(model, heldout)
@@ -268,7 +289,6 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
 
 def _eval(out: Path, config: RecipeConfig, log) -> dict:
     """Held-out pass@1 of the SFT, RFT and GRPO checkpoints, side by side."""
-    from dataclasses import replace
     result = {}
     for name in MODEL_STAGES[MODEL_STAGES.index("sft"):]:       # the task-trained ones
         model = out / name / "model"

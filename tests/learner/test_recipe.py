@@ -184,6 +184,15 @@ def test_sft_data_comes_from_the_real_agent_loop(tok_dir, tmp_path, monkeypatch)
     assert '"name": "finish"' in trained and "<tool_response>" not in trained
 
 
+def test_code_numbers_are_the_code_writing_families_in_turn():
+    from learner.recipe.sft import CODE_FAMILIES, code_numbers
+    numbers = code_numbers(7)
+    families = [t.family for t in sim.generate("train", max(numbers) + 1)]
+    picked = [families[j] for j in numbers]
+    assert len(numbers) == len(set(numbers)) == 7 and set(picked) == set(CODE_FAMILIES)
+    assert [f for f in families if f in CODE_FAMILIES] == picked      # none skipped
+
+
 def test_heldout_episodes_come_from_the_heldout_split(tok_dir, monkeypatch):
     from learner.recipe import sft
     monkeypatch.setenv("APPRENTICE_SANDBOX", "off")

@@ -16,6 +16,9 @@ def test_toy_recipe_runs_every_stage_and_ships_a_compact_harness_checkpoint(tmp_
     assert all((out / stage / "metrics.json").exists() for stage in STAGES)
     assert results["sft_data"]["passed"] == results["sft_data"]["episodes"] > 0
     assert results["sft_data"]["heldout"]["passed"] == 2            # held-out oracle episodes
+    assert results["sft_data"]["code"]["passed"] == 3               # code-family episodes
+    assert results["sft"]["code"]["steps"] == 2                      # ... the second phase
+    assert (out / "sft" / "base" / "model" / "config.json").exists()
     heldout = results["sft"]["heldout"]                              # scored after SFT
     assert heldout["tokens"] > 0 and 0 <= heldout["token_accuracy"] <= 1 and heldout["loss"] > 0
     evals = results["eval"]
