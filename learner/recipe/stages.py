@@ -182,6 +182,12 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
     if not code.tasks:
         metrics = sft.run(out / "pretrain" / "model", data, out / "sft", config.sft, log)
     else:       # two phases: sft/base/model, then it with the code episodes -> sft/model
+        episodes = out / "sft_data" / "code.npz"
+        if not episodes.exists():               # before the first phase's hour, not after it
+            raise FileNotFoundError(
+                f"{episodes} is missing: sft.code.tasks is {code.tasks} but the sft_data stage "
+                f"collected no code episodes; delete {out / 'sft_data' / 'metrics.json'} and "
+                f"run the sft_data stage again")
         base = out / "sft" / "base"
         done = base / "metrics.json"
         if done.exists():
@@ -189,12 +195,6 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
         else:
             metrics = sft.run(out / "pretrain" / "model", data, base, config.sft, log)
             write_json(done, metrics)
-        episodes = out / "sft_data" / "code.npz"
-        if not episodes.exists():
-            raise FileNotFoundError(
-                f"{episodes} is missing: sft.code.tasks is {code.tasks} but the sft_data stage "
-                f"collected no code episodes; delete {out / 'sft_data' / 'metrics.json'} and "
-                f"run the sft_data stage again")
         metrics["code"] = sft.run(base / "model", [data, episodes],
                                   out / "sft", replace(config.sft, train=code.train), log)
     heldout = np.load(out / "corpus" / "corpus.npz")["heldout"]
