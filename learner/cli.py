@@ -125,6 +125,11 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
               help="Let the model write tool calls that cannot run (malformed JSON, missing "
                    "files, `old` text not in the file); by default the engine holds its calls "
                    "to what can run.")
+@click.option("--samples", type=click.IntRange(1), default=1, show_default=True,
+              help="Episodes per task, sampled (needs --temperature > 0): pass@1 is then "
+                   "their mean, and pass@K the share of tasks at least one of them solves.")
+@click.option("--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
+              help="Sampling temperature of a model's calls (0: greedy).")
 @click.option("-v", "--verbose", is_flag=True, help="One line per task before the summary.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the numbers and per-task results as JSON instead.")
@@ -132,7 +137,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                  policy_spec: str | None, compare: str | None, recipe_dir: Path | None,
                  processes: int | None, max_steps: int, max_new_tokens: int,
                  context_window: int | None, concurrency: int | None, sandbox: str | None,
-                 free_calls: bool, verbose: bool, as_json: bool) -> None:
+                 free_calls: bool, samples: int, temperature: float, verbose: bool,
+                 as_json: bool) -> None:
     """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task; or several
     side by side (--compare sft,default)."""
     import json
@@ -143,7 +149,13 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
         task_list = resolve_tasks(tasks_spec, n, seed, _families(families))
     except ValueError as exc:
         raise click.BadParameter(str(exc))
+    if samples > 1 and temperature == 0.0:
+        raise click.BadParameter("greedy episodes of a task repeat one another; sample with "
+                                 "--temperature (e.g. 1.0)", param_hint="--samples")
     if compare is not None:
+        if samples > 1 or temperature:
+            raise click.BadParameter("it evaluates greedily, one episode a task",
+                                     param_hint="--samples/--temperature")
         if policy_spec or model != "default":
             raise click.BadParameter("it names the models itself; leave out --model and "
                                      "--policy", param_hint="--compare")
@@ -158,7 +170,7 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
         return
     spec = policy_spec or model
     try:
-        factory = policy_factory(spec, max_new_tokens, context_window or 0)
+        factory = policy_factory(spec, max_new_tokens, context_window or 0, temperature)
     except (OSError, ValueError) as exc:          # a missing or broken checkpoint: one line
         raise click.ClickException(f"cannot load policy {spec!r}: {exc}")
     if spec == "oracle" and any(t.solution is None for t in task_list):
@@ -166,7 +178,7 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                                  "exported with --with-solution)")
     with SessionStore() as store:
         report = evaluate(task_list, factory, store, max_steps=max_steps, sandbox=sandbox,
-                          constrain_calls=not free_calls,
+                          constrain_calls=not free_calls, samples=samples,
                           concurrency=concurrency or (4 if spec == "oracle" else
                                                      1 if spec.startswith("replay:") else 8))
     click.echo(json.dumps(report.to_dict(), indent=1) if as_json

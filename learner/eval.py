@@ -29,6 +29,7 @@ MODEL_STAGES = ("pretrain", "sft", "rft", "grpo")   # recipe stages that write `
 @dataclass
 class EvalReport:
     episodes: list[Episode]
+    samples: int = 1                    # episodes per task (sampled: `evaluate(samples=...)`)
 
     @property
     def n(self) -> int:
@@ -55,20 +56,39 @@ class EvalReport:
         return sum(e.cheated for e in self.episodes)
 
     def by_family(self) -> dict[str, tuple[int, int]]:
-        """family -> (solved, total)."""
+        """family -> (solved, total) episodes."""
         out: dict[str, tuple[int, int]] = {}
         for e in self.episodes:
             k, n = out.get(e.family, (0, 0))
             out[e.family] = (k + (e.reward > 0), n + 1)
         return dict(sorted(out.items()))
 
+    def tasks_solved(self) -> dict[str, tuple[int, int]]:
+        """family -> (tasks with at least one solved episode, tasks): pass@`samples`."""
+        solved: dict[str, dict[str, bool]] = {}
+        for e in self.episodes:
+            tasks = solved.setdefault(e.family, {})
+            tasks[e.task_id] = tasks.get(e.task_id, False) or e.reward > 0
+        return {f: (sum(t.values()), len(t)) for f, t in sorted(solved.items())}
+
+    @property
+    def pass_at_k(self) -> float:
+        """The share of tasks solved by at least one of their `samples` episodes."""
+        counts = self.tasks_solved().values()
+        tasks = sum(n for _, n in counts)
+        return sum(k for k, _ in counts) / tasks if tasks else 0.0
+
     def to_dict(self) -> dict:
         """The numbers and every episode, for `--json`."""
-        return {"n": self.n, "solved": self.solved, "pass_at_1": self.pass_at_1,
-                "mean_steps": self.mean_steps, "mean_tokens": self.mean_tokens,
-                "cheated": self.cheated,
-                "by_family": {f: {"passed": k, "n": n} for f, (k, n) in self.by_family().items()},
-                "episodes": [asdict(e) for e in self.episodes]}
+        out = {"n": self.n, "solved": self.solved, "pass_at_1": self.pass_at_1,
+               "mean_steps": self.mean_steps, "mean_tokens": self.mean_tokens,
+               "cheated": self.cheated,
+               "by_family": {f: {"passed": k, "n": n} for f, (k, n) in self.by_family().items()}}
+        if self.samples > 1:
+            out |= {"samples": self.samples, "pass_at_k": self.pass_at_k,
+                    "tasks_solved": {f: {"solved": k, "tasks": n}
+                                     for f, (k, n) in self.tasks_solved().items()}}
+        return out | {"episodes": [asdict(e) for e in self.episodes]}
 
 
 def resolve_tasks(spec: str, n: int | None = None, seed: int = 0,
@@ -85,13 +105,14 @@ def resolve_tasks(spec: str, n: int | None = None, seed: int = 0,
     return tasks if n is None else tasks[:n]
 
 
-def policy_factory(spec: str, max_new_tokens: int = 512,
-                   context_window: int = 0) -> Callable[[TaskInstance], Any]:
+def policy_factory(spec: str, max_new_tokens: int = 512, context_window: int = 0,
+                   temperature: float = 0.0) -> Callable[[TaskInstance], Any]:
     """What makes each episode's policy: `oracle` (one per task), `replay:FILE` (a fresh
-    replay per task), anything else a model loaded once and shared (greedy, at most
-    `max_new_tokens` per call, as `learner.recipe.evaluate` runs it) through a
-    `BatchingPolicy`, so episodes running at once decode together. `context_window` (when set)
-    makes a model's window smaller, so self-summarization starts earlier."""
+    replay per task), anything else a model loaded once and shared (greedy unless
+    `temperature` > 0, at most `max_new_tokens` per call, as `learner.recipe.evaluate` runs
+    it) through a `BatchingPolicy`, so episodes running at once decode together.
+    `context_window` (when set) makes a model's window smaller, so self-summarization starts
+    earlier."""
     if spec == "oracle":
         from learner.tasks.oracle import OraclePolicy
         return OraclePolicy
@@ -99,7 +120,7 @@ def policy_factory(spec: str, max_new_tokens: int = 512,
     if spec.startswith("replay:"):
         return lambda task: load_policy(spec)
     from agent_runtime.policies.batching import BatchingPolicy
-    model = load_policy(spec, temperature=0.0, max_new_tokens=max_new_tokens,
+    model = load_policy(spec, temperature=temperature, max_new_tokens=max_new_tokens,
                         seed=0)       # the loop fallback's resampling, reproducible
     if context_window:
         model.context_window = min(context_window, model.context_window)
@@ -109,15 +130,17 @@ def policy_factory(spec: str, max_new_tokens: int = 512,
 
 def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], store, *,
              concurrency: int = 1, max_steps: int = 20, sandbox=None,
-             constrain_calls: bool = True) -> EvalReport:
-    """Run one episode per task and collect the report. `constrain_calls=False` lets the
-    model write tool calls that cannot run (`AgentConfig.constrain_calls`)."""
+             constrain_calls: bool = True, samples: int = 1) -> EvalReport:
+    """Run `samples` episodes per task (one each by default; more only make sense with a
+    sampling policy) and collect the report. `constrain_calls=False` lets the model write
+    tool calls that cannot run (`AgentConfig.constrain_calls`)."""
     from agent_runtime.agent import AgentConfig
-    episodes = run_episodes(factory, tasks, store, concurrency=concurrency, sandbox=sandbox,
+    episodes = run_episodes(factory, [t for t in tasks for _ in range(samples)], store,
+                            concurrency=concurrency, sandbox=sandbox,
                             agent_config=AgentConfig(max_steps=max_steps,
                                                      constrain_calls=constrain_calls),
                             origin=ORIGIN_EVAL)
-    return EvalReport(episodes)
+    return EvalReport(episodes, samples)
 
 
 def episode_line(e: Episode) -> str:
@@ -128,12 +151,20 @@ def episode_line(e: Episode) -> str:
 
 def format_report(report: EvalReport, verbose: bool = False) -> str:
     lines = [episode_line(e) for e in report.episodes] if verbose else []
+    k = report.samples
     if verbose and len(report.by_family()) > 1:
-        lines += [f"  {family:<20} {k}/{n}" for family, (k, n) in report.by_family().items()]
+        tasks = report.tasks_solved()
+        lines += [f"  {family:<20} {s}/{n}" + (f"  pass@{k} {tasks[family][0]}/{tasks[family][1]}"
+                                               if k > 1 else "")
+                  for family, (s, n) in report.by_family().items()]
     summary = (f"pass@1 {100 * report.pass_at_1:.1f}% ({report.solved}/{report.n})  "
                f"mean steps {report.mean_steps:.1f}  mean tokens {report.mean_tokens:.0f}")
     if report.cheated:
         summary += f"  cheated {report.cheated}"
+    if k > 1:
+        counts = report.tasks_solved().values()
+        summary += (f"  pass@{k} {100 * report.pass_at_k:.1f}% "
+                    f"({sum(s for s, _ in counts)}/{sum(n for _, n in counts)} tasks)")
     return "\n".join(lines + [summary])
 
 

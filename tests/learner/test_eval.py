@@ -132,3 +132,46 @@ def test_free_calls_evaluates_without_the_call_grammar(tmp_path):
         seen[constrain] = policy.grammars
     assert seen[True] and all(g is not None for g in seen[True])
     assert seen[False] and all(g is None for g in seen[False])
+
+
+def test_pass_at_k_counts_tasks_any_sample_solved():
+    report = EvalReport([episode("a", 1.0, 4, 100), episode("a", 0.0, 6, 300),
+                         episode("b", 0.0, 5, 200), episode("b", 0.0, 5, 200),
+                         episode("c", 1.0, 3, 90, family="rename_symbol"),
+                         episode("c", 1.0, 3, 90, family="rename_symbol")], samples=2)
+    assert report.pass_at_1 == 0.5 and report.pass_at_k == 2 / 3
+    assert report.tasks_solved() == {"fix_bug": (1, 2), "rename_symbol": (1, 1)}
+    text = format_report(report, verbose=True)
+    assert text.splitlines()[-1].endswith("  pass@2 66.7% (2/3 tasks)")
+    assert SUMMARY.match(text.splitlines()[-1].split("  pass@2")[0])
+    assert any(line.split() == ["fix_bug", "1/4", "pass@2", "1/2"] for line in text.splitlines())
+    data = report.to_dict()
+    assert data["samples"] == 2 and data["tasks_solved"]["fix_bug"] == {"solved": 1, "tasks": 2}
+    assert "samples" not in EvalReport(report.episodes[:1]).to_dict()
+
+
+def test_samples_run_each_task_that_many_times(home):
+    out = CliRunner().invoke(main, ["eval", "-n", "2", "--policy", "oracle", "--samples", "2",
+                                    "--temperature", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    ids = [e["task_id"] for e in data["episodes"]]
+    assert len(ids) == 4 and len(set(ids)) == 2 and ids[0] == ids[1]
+    assert data["pass_at_k"] == 1.0 and data["samples"] == 2
+
+
+def test_samples_need_a_temperature_and_compare_stays_greedy(home):
+    out = invoke("eval", "-n", 1, "--policy", "oracle", "--samples", 3)
+    assert out.exit_code == 2 and "--temperature" in out.output
+    out = invoke("eval", "-n", 1, "--compare", "sft,default", "--samples", 2,
+                 "--temperature", 1)
+    assert out.exit_code == 2 and "greedily" in out.output
+
+
+def test_the_temperature_reaches_the_model(tmp_path):
+    from tiny_checkpoints import save_tiny_agent_checkpoint
+    from learner.eval import policy_factory
+    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
+    for temperature in (0.0, 0.7):
+        policy = policy_factory(str(path), 16, 0, temperature)(None)
+        assert policy.policy.config.temperature == temperature
