@@ -56,6 +56,8 @@ class GRPOStageConfig:
                                     # SFT data's own first instances; another seed: fresh ones)
     phrasings: float = 0.0          # share of them with composed instructions (wordings SFT
                                     # did not see; `learner.tasks.generate`)
+    trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
+                                    # trainable`; empty: all), e.g. `learner.online.TRAINABLE`
 
 
 @dataclass
@@ -235,12 +237,29 @@ def grpo_tasks(g: GRPOStageConfig) -> str:
     return f"sim:seed={seed},phrasings={g.phrasings}"
 
 
+def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
+    """The learner's `RunConfig` for the stage, from checkpoint `start` on `device`."""
+    from learner import config as lc
+    return lc.RunConfig(
+        model=str(start), tasks=grpo_tasks(g),
+        trainer=lc.TrainerConfig(optim=lc.OptimConfig(lr=g.lr), router_replay=True,
+                                 temperature=g.temperature, device=device, seed=g.seed,
+                                 checkpoint_every=5, precision="auto",
+                                 trainable=tuple(g.trainable)),
+        rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
+                                 max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
+                                 workers=g.workers),
+        pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
+                                   seed=g.seed, curriculum=g.curriculum,
+                                   # on a CPU: one core trains while one rolls out
+                                   torch_threads=1 if device == "cpu" else 0))
+
+
 def _grpo(out: Path, config: RecipeConfig, log) -> dict:
     """GRPO with the learner's pipeline (router replay on) from the RFT (else SFT) checkpoint."""
     from agent_runtime.policies.engine import EnginePolicy
     from agent_runtime.model import save_model
     from agent_runtime.store import SessionStore
-    from learner import config as lc
     from learner.pipeline import build
     from learner.recipe.pretrain import MAX_SHARD_BYTES, copy_tokenizer, pick_device
     from learner.versions import VersionStore
@@ -249,18 +268,7 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
     device = pick_device(g.device)
     start = _start(out)
     run_dir = out / "grpo" / "run"
-    cfg = lc.RunConfig(
-        model=str(start), tasks=grpo_tasks(g),
-        trainer=lc.TrainerConfig(optim=lc.OptimConfig(lr=g.lr), router_replay=True,
-                                 temperature=g.temperature, device=device, seed=g.seed,
-                                 checkpoint_every=5, precision="auto"),
-        rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
-                                 max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
-                                 workers=g.workers),
-        pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
-                                   seed=g.seed, curriculum=g.curriculum,
-                                   # on a CPU: one core trains while one rolls out
-                                   torch_threads=1 if device == "cpu" else 0))
+    cfg = grpo_run_config(g, start, device)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     def factory():
