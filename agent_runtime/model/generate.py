@@ -140,19 +140,27 @@ def _allowed(logits: torch.Tensor, first: int, p: SamplingParams, gen: torch.Gen
 
 
 class LoopGuard:
-    """Spots a degenerate loop in one row's new tokens: the last `span` tokens all equal the
-    token `p` before them for one period p <= MAX_PERIOD, with at least MIN_REPEATS whole
-    periods (`in in in ...`, `orders.cli orders.cli ...`, a line written over and over).
-    Small greedy models fall into these and would otherwise spend the rest of max_new_tokens
-    on them. O(MAX_PERIOD) per token: a run counter per period."""
+    """Spots a degenerate loop in one row's new tokens: the last tokens all equal the token
+    `p` before them for one period p, over at least `span` tokens and MIN_REPEATS whole
+    periods (`in in in ...`, `orders.cli orders.cli ...`, a line written over and over, a
+    sentence of a `finish` summary said again and again). Small greedy models fall into these
+    and would otherwise spend the rest of max_new_tokens on them. Periods up to MAX_PERIOD
+    keep a run counter each (O(MAX_PERIOD) per token); longer ones, up to LONG_PERIOD, are
+    found through the last place the newest GRAM tokens occurred, and one candidate period
+    is followed until a token breaks it."""
 
     MAX_PERIOD = 16
     MIN_REPEATS = 3
+    LONG_PERIOD = 256
+    GRAM = 4
 
     def __init__(self, span: int):
         self.span = span
         self.tokens: deque[int] = deque(maxlen=self.MAX_PERIOD + 1)   # the tail it compares
         self.runs = [0] * (self.MAX_PERIOD + 1)      # runs[p]: tail length equal to p back
+        self.history: list[int] = []                 # every token, for the long periods
+        self.seen: dict[tuple[int, ...], int] = {}   # GRAM tokens -> where they last ended
+        self.period = self.run = 0                   # the long period followed, its run
 
     def push(self, token: int) -> bool:
         """Add a token; True when the tail is now a loop."""
@@ -167,7 +175,25 @@ class LoopGuard:
                     looping = True
             else:
                 runs[period] = 0
-        return looping
+        return self._long(token) or looping
+
+    def _long(self, token: int) -> bool:
+        h = self.history
+        h.append(token)
+        i = len(h) - 1
+        if i < self.GRAM - 1:
+            return False
+        gram = tuple(h[i - self.GRAM + 1:])
+        if self.period and h[i - self.period] == token:
+            self.run += 1
+        else:                                        # no period, or this token broke it
+            self.period = self.run = 0
+            last = self.seen.get(gram)
+            if last is not None and self.MAX_PERIOD < i - last <= self.LONG_PERIOD:
+                self.period, self.run = i - last, self.GRAM     # the gram already repeats
+        self.seen[gram] = i
+        return bool(self.period) and \
+            self.run + self.period >= max(self.span, self.MIN_REPEATS * self.period)
 
 
 def _route_dtype(model: MoEModel) -> torch.dtype:

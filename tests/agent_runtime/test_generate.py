@@ -1,6 +1,7 @@
 """Generation: ragged batches, sampling controls, behaviour logprobs, stops, seeds, streaming."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -125,9 +126,26 @@ def test_loop_guard_ends_at_the_span_for_short_periods():
     assert _first_loop(list(range(200)), 8) is None                # nothing repeats
     assert _first_loop([1, 2, 3, 4] * 2 + [9] * 3, 8) is None      # 2 periods are not a loop
     assert _first_loop([1, 2, 3, 4] * 3, 8) == 12                  # a 3rd period is
-    long = list(range(LoopGuard.MAX_PERIOD + 1))
-    assert _first_loop(long * 4, 8) is None                        # period too long to count
+    too_long = list(range(LoopGuard.LONG_PERIOD + 1))
+    assert _first_loop(too_long * 4, 8) is None                    # period too long to count
     assert _first_loop([1, 1, 1, 2] * 5, 6) == 3 * 4               # runs restart on a break
+
+
+def test_loop_guard_ends_long_periods_at_their_third_copy():
+    rng = random.Random(0)
+    sentence = [rng.randrange(1000) for _ in range(40)]       # a sentence said again and again
+    assert _first_loop(sentence * 5, 48) == 3 * 40
+    assert _first_loop([7, 8] + sentence * 5, 48) == 2 + 3 * 40
+    assert _first_loop(sentence * 2 + [rng.randrange(1000, 2000) for _ in range(300)], 48) is None
+    just = list(range(LoopGuard.MAX_PERIOD + 1))                 # the first long period
+    assert _first_loop(just * 4, 8) == 3 * len(just)
+    # a piece of the sentence occurring twice in it first suggests a shorter period
+    echo = sentence[:10] + sentence[:4] + sentence[14:]
+    assert 3 * 40 <= _first_loop(echo * 5, 48) <= 3 * 40 + LoopGuard.GRAM
+    # code whose lines differ by a number or a name is not a loop
+    lines = [t for i in range(30) for t in (11, 12, 13, 100 + i, 14, 15, 16, 17, 18, 19, 20,
+                                            21, 22, 23, 24, 25, 26, 27, 28, 200 + i)]
+    assert _first_loop(lines, 48) is None
 
 
 def test_a_looping_row_ends_with_finish_loop(tmp_path):
