@@ -207,11 +207,14 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
              should_stop: Callable[[], bool] | None = None,
              row_should_stop: Sequence[Callable[[], bool] | None] | None = None,
              prefix_cache: PrefixCache | None = None,
-             constraints: Sequence[object | None] | None = None) -> list[Generation]:
+             constraints: Sequence[object | None] | None = None,
+             on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
     """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams.
     `should_stop()` cancels every row; `row_should_stop[b]()` cancels row b alone (its
     generation ends "cancelled" while the other rows go on). `constraints[b]` (or None)
-    holds row b to what it allows."""
+    holds row b to what it allows. `on_done(row, generation)` hands each row's result over
+    as soon as that row ends, while the others go on (the same object is returned at the
+    end)."""
     p = params or SamplingParams()
     if p.stop and decode is None:
         raise ValueError("stop strings need a `decode` function (token ids -> text)")
@@ -267,6 +270,27 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     held = list(constraints) if constraints is not None and any(constraints) else None
     forced: list[list[int]] = [[] for _ in range(B)]
     fast = stepper(model)                             # the same step in C++, when it can
+    done: list[Generation | None] = [None] * B        # rows already handed to `on_done`
+
+    def finish(b: int, routes: torch.Tensor | None = None) -> Generation:
+        """Row b's result (its routes, its prefix stored for the next call), once it ended.
+        `routes`: every row's [B, S + steps, L, k], when already joined."""
+        n = len(tokens[b])
+        r = None
+        if route_chunks:                              # [S + steps, L, k] of row b so far
+            r = routes[b] if routes is not None else torch.cat([c[b] for c in route_chunks])
+            r = r[S - fed[b]:S + n - 1]
+            if heads[b] is not None:
+                r = torch.cat([heads[b], r])
+        if prefix_cache is not None and prefix_cache.max_bytes > 0 and n:
+            _store(prefix_cache, cache, b, list(prompts[b]) + tokens[b][:n - 1], r, hits[b][0])
+        text = texts[b]
+        if text is None and decode is not None:
+            text = decode(tokens[b])
+        return Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
+                          finish_reason=reasons[b] or names.FINISH_LENGTH, text=text,
+                          prompt_len=lens[b], forced=forced[b] if held is not None else None)
+
     for step in range(p.max_new_tokens):
         if should_stop is not None and should_stop():
             reasons = [r or names.FINISH_CANCELLED for r in reasons]
@@ -310,26 +334,23 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                 found = [text.find(s) for s in p.stop if s and s in text]
                 if found:
                     reasons[b], texts[b] = names.FINISH_STOP, text[:min(found)]
-        if all(r is not None for r in reasons) or step == p.max_new_tokens - 1:
+        last = all(r is not None for r in reasons) or step == p.max_new_tokens - 1
+        if on_done is not None and not last:
+            for b in range(B):
+                if reasons[b] is not None and done[b] is None:
+                    done[b] = finish(b)
+                    on_done(b, done[b])
+        if last:
             break
         out = fast(tok, cache) if fast is not None else model(tok[:, None].to(dev), cache=cache)
         if out.routes is not None:
             route_chunks.append(out.routes.to(_route_dtype(model)).cpu())
     routes = torch.cat(route_chunks, dim=1) if route_chunks else None     # [B, S + steps, L, k]
-    results = []
-    for b in range(B):
-        n = len(tokens[b])
-        r = routes[b, S - fed[b]:S + n - 1] if routes is not None else None
-        if r is not None and heads[b] is not None:
-            r = torch.cat([heads[b], r])
-        if prefix_cache is not None and prefix_cache.max_bytes > 0 and n:
-            _store(prefix_cache, cache, b, list(prompts[b]) + tokens[b][:n - 1], r, hits[b][0])
-        text = texts[b]
-        if text is None and decode is not None:
-            text = decode(tokens[b])
-        results.append(Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
-                                  finish_reason=reasons[b] or names.FINISH_LENGTH, text=text,
-                                  prompt_len=lens[b], forced=forced[b] if held is not None else None))
+    results = [done[b] or finish(b, routes) for b in range(B)]
+    if on_done is not None:
+        for b in range(B):
+            if done[b] is None:
+                on_done(b, results[b])
     return results
 
 

@@ -11,7 +11,9 @@ concurrent calls and hands them to the wrapped policy's `complete_many` as one b
 Whoever calls first while no batch is running leads: it waits briefly for more calls (until
 none arrive for `gather_s`, at most `max_wait_s`), decodes up to `max_batch` of the queued
 calls that ask for the same `max_new_tokens`, hands every caller its completion (or the error),
-and the next waiting caller leads the next batch. Calls that arrive while a batch runs form
+and the next waiting caller leads the next batch. A policy with `delivers_early` (the engine)
+hands each row over as soon as it ends, so that caller's agent runs its tools while the
+batch's longer rows decode. Calls that arrive while a batch runs form
 the next one. A caller's `should_stop` cancels its own row only. Policies without
 `complete_many` are called one at a time.
 """
@@ -133,11 +135,18 @@ class BatchingPolicy:
                     except Exception as exc:       # noqa: BLE001 - handed to its caller
                         c.error = exc
                 return
+            def deliver(i: int, completion: Completion) -> None:
+                with self._cond:                   # its caller goes on while the batch runs
+                    batch[i].result, batch[i].done = completion, True
+                    self._cond.notify_all()
+
+            early = {"on_complete": deliver} if getattr(self.policy, "delivers_early", False) \
+                else {}
             results = self.policy.complete_many([c.messages for c in batch], [c.tools for c in batch],
                            max_new_tokens=batch[0].max_new_tokens,
                            on_text=[c.on_text for c in batch],
                            should_stop=[c.should_stop for c in batch],
-                           **({"grammar": [c.grammar for c in batch]} if held else {}))
+                           **({"grammar": [c.grammar for c in batch]} if held else {}), **early)
             for c, r in zip(batch, results):
                 c.result = r
         except BaseException as exc:               # every caller in the batch sees it

@@ -65,6 +65,7 @@ class EnginePolicy:
     """A checkpoint + tokenizer + chat template, usable by the agent loop and directly."""
 
     accepts_grammar = True                  # complete(..., grammar=CallGrammar) (base.constrains)
+    delivers_early = True                   # complete_many(..., on_complete=...) (BatchingPolicy)
 
     def __init__(self, model: MoEModel, tokenizer: Any, template: Any, name: str,
                  config: EngineConfig | None = None, version: int = 0):
@@ -136,6 +137,7 @@ class EnginePolicy:
                   **kw: Any) -> tuple[list[Generation], int]:
         """One batched generation and the version of the weights that made it."""
         on_token = kw.pop("on_token", None)
+        on_done = kw.pop("on_done", None)
         should_stop = kw.pop("should_stop", None)
         row_should_stop = kw.pop("row_should_stop", None)
         grammars = kw.pop("grammar", None)
@@ -148,7 +150,9 @@ class EnginePolicy:
             out = generate(self.model, prompts, params, decode=self.tokenizer.decode,
                            on_token=on_token, should_stop=should_stop,
                            row_should_stop=row_should_stop, prefix_cache=self.prefix_cache,
-                           constraints=held)
+                           constraints=held,
+                           on_done=None if on_done is None else
+                           lambda row, g: on_done(row, g, self.version))
             return out, self.version
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -163,11 +167,15 @@ class EnginePolicy:
                       max_new_tokens: int | None = None,
                       on_text: Sequence[Callable[[str], None] | None] | None = None,
                       should_stop: Sequence[Callable[[], bool] | None] | None = None,
-                      grammar: Sequence[Any] | None = None) -> list[Completion]:
+                      grammar: Sequence[Any] | None = None,
+                      on_complete: Callable[[int, Completion], None] | None = None
+                      ) -> list[Completion]:
         """`complete` for several conversations in one batched generation (how a group of
         rollouts, or several agents sharing this policy, decode together). `tools`, `on_text`,
         `should_stop` and `grammar` are given per conversation; a row whose `should_stop()`
-        turns true ends "cancelled" and the others go on."""
+        turns true ends "cancelled" and the others go on. `on_complete(i, completion)` hands
+        each conversation's completion over as soon as it is final (before the longest row
+        of the batch ends), so its agent can run its tools meanwhile."""
         n = len(conversations)
         if n == 0:
             return []
@@ -184,9 +192,20 @@ class EnginePolicy:
         streams = [_TextStream(self.tokenizer, skip, sink) for sink in on_text]
         n_new = max_new_tokens or self.config.max_new_tokens
         cancel = should_stop if any(should_stop) else None
-        gens, version = self._generate(prompts, n_new,
-                                       on_token=lambda row, tok, lp: streams[row].push(tok),
-                                       row_should_stop=cancel, grammar=grammar)
+        delivered: dict[int, Completion] = {}
+
+        def done(i: int, gen: Generation, version: int, temperature: float) -> None:
+            """Row i ended; hand it over unless the loop guard's retry will run it again."""
+            if on_complete is None or (gen.finish_reason == names.FINISH_LOOP and
+                                       any(t > temperature for t in self.config.loop_fallback)):
+                return
+            delivered[i] = self._completion(prompts[i], gen, version, temperature, skip)
+            on_complete(i, delivered[i])
+
+        gens, version = self._generate(
+            prompts, n_new, on_token=lambda row, tok, lp: streams[row].push(tok),
+            row_should_stop=cancel, grammar=grammar,
+            on_done=lambda row, gen, v: done(row, gen, v, self.config.temperature))
         versions, temps = [version] * n, [self.config.temperature] * n
         # Temperature fallback (as Whisper's decoder does): greedy decoding of a small model
         # falls into loops it would fall into again from the same prompt, so a call the loop
@@ -202,19 +221,22 @@ class EnginePolicy:
             again, v = self._generate([prompts[i] for i in redo], n_new, temperature=t,
                                       on_token=lambda row, tok, lp: streams[redo[row]].push(tok),
                                       row_should_stop=[cancel[i] for i in redo] if cancel else None,
-                                      grammar=[grammar[i] for i in redo])
+                                      grammar=[grammar[i] for i in redo],
+                                      on_done=lambda row, gen, v, t=t: done(redo[row], gen, v, t))
             for i, gen in zip(redo, again):
                 gens[i], versions[i], temps[i] = gen, v, t
-        out = []
-        for prompt, gen, version, temperature in zip(prompts, gens, versions, temps):
-            text = self.tokenizer.decode([t for t in gen.tokens if t not in skip])
-            routes = gen.routes.numpy() if gen.routes is not None else None
-            out.append(Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
-                                  logprobs=gen.logprobs, routes=routes,
-                                  finish_reason=gen.finish_reason, version=version,
-                                  temperature=temperature,
-                                  meta={"forced": gen.forced} if gen.forced else {}))
-        return out
+        return [delivered.get(i) or self._completion(prompt, gen, version, temperature, skip)
+                for i, (prompt, gen, version, temperature)
+                in enumerate(zip(prompts, gens, versions, temps))]
+
+    def _completion(self, prompt: list[int], gen: Generation, version: int, temperature: float,
+                    skip: set[int]) -> Completion:
+        text = self.tokenizer.decode([t for t in gen.tokens if t not in skip])
+        routes = gen.routes.numpy() if gen.routes is not None else None
+        return Completion(text=text, prompt_ids=prompt, completion_ids=gen.tokens,
+                          logprobs=gen.logprobs, routes=routes, finish_reason=gen.finish_reason,
+                          version=version, temperature=temperature,
+                          meta={"forced": gen.forced} if gen.forced else {})
 
     # -- weight updates ------------------------------------------------------------------
     def swap_state(self, update: Callable[[dict[str, torch.Tensor]], None], version: int) -> None:

@@ -192,3 +192,48 @@ def test_agents_on_threads_share_one_batching_policy(ckpt, tmp_path):
             lp = out.logits[0, P - 1:].log_softmax(-1)
             lp = lp.gather(-1, torch.tensor(s["completion_ids"])[:, None])[:, 0]
             assert (lp - torch.tensor(s["logprobs"])).abs().max().item() < 1e-4
+
+
+class Early:
+    """Hands every row over at once, then holds the batch until told to end it."""
+    name, version, context_window = "early", 0, 4096
+    delivers_early = True
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def complete_many(self, conversations, tools=None, *, on_complete=None, **kw):
+        out = [Completion(text=c[0]["content"], prompt_ids=[1], completion_ids=[2],
+                          logprobs=[0.0]) for c in conversations]
+        for i, c in enumerate(out):
+            on_complete(i, c)
+        assert self.release.wait(30)
+        return out
+
+    def complete(self, messages, tools=None, **kw):
+        raise AssertionError("the two calls were meant to form one batch")
+
+
+def test_a_row_handed_over_early_returns_to_its_caller_while_the_batch_runs():
+    policy = Early()
+    # the leader waits (up to 30 s) until both calls are queued: one batch of two
+    shared = BatchingPolicy(policy, max_batch=2, gather_s=30, max_wait_s=30)
+    got = {}
+
+    def call(i):
+        got[i] = shared.complete([{"role": "user", "content": f"call {i}"}])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(600):                # the caller that is not leading the batch returns
+        if got:
+            break
+        threading.Event().wait(0.05)
+    assert len(got) == 1 and all(c.text == f"call {i}" for i, c in got.items())
+    threading.Event().wait(0.2)
+    assert len(got) == 1                        # the leader's own call ends with the batch
+    policy.release.set()
+    for t in threads:
+        t.join(30)
+    assert {i: c.text for i, c in got.items()} == {0: "call 0", 1: "call 1"}

@@ -97,3 +97,17 @@ def test_a_checkpoint_trained_with_mentions_says_so_and_others_do_not(tmp_path):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "apprentice_mentions": True}))
     assert load_policy(str(path)).mentions is True
+
+
+def test_complete_many_hands_over_each_row_once_and_a_looping_one_after_its_retries(tmp_path):
+    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
+    policy = load_policy(str(path), max_new_tokens=40, loop_span=16, seed=0)
+    with torch.no_grad():
+        policy.model.norm.weight.zero_()         # every logit 0: greedy repeats token 0
+    policy.stop_token_ids = []
+    handed = []
+    out = policy.complete_many([MESSAGES, MESSAGES], should_stop=[None, lambda: True],
+                               on_complete=lambda i, c: handed.append((i, c)))
+    assert [i for i, _ in handed] == [1, 0]       # the cancelled row at once, the looping
+    assert handed[0][1] is out[1] and handed[1][1] is out[0]      # one after its retry
+    assert out[0].temperature == 0.7 and out[1].finish_reason == "cancelled"

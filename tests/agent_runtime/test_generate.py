@@ -158,3 +158,29 @@ def test_a_looping_row_ends_with_finish_loop(tmp_path):
     g = generate(looping, p, SamplingParams(max_new_tokens=30, loop_span=8))[0]
     assert g.tokens == [0] * 8 and g.finish_reason == "loop"
     assert len(g.routes) == len(p[0]) + 8 - 1
+
+
+def test_on_done_hands_each_row_over_as_it_ends(model):
+    ps = prompts(6, 9, 4)
+    seen, handed = {"n": 0}, []
+
+    def count(row, token, logprob):
+        seen["n"] += row == 0                     # row 0 runs to the token limit
+
+    def stop_row_1():
+        return seen["n"] >= 3
+
+    g = generate(model, ps, SamplingParams(max_new_tokens=20), on_token=count,
+                 row_should_stop=[None, stop_row_1, None],
+                 on_done=lambda row, gen: handed.append((row, seen["n"], gen)))
+    rows = [row for row, _, _ in handed]
+    assert sorted(rows) == [0, 1, 2] and rows.index(1) < rows.index(0)
+    early = next(n for row, n, _ in handed if row == 1)
+    assert early < 20                             # handed over before row 0 had finished
+    assert all(gen is g[row] for row, _, gen in handed)
+    assert g[1].finish_reason == "cancelled" and g[0].finish_reason == "length"
+    plain = generate(model, ps, SamplingParams(max_new_tokens=20), row_should_stop=[
+        None, lambda: False, None])
+    assert g[0].tokens == plain[0].tokens and torch.equal(g[0].routes, plain[0].routes)
+    assert len(g[1].routes) == len(ps[1]) + len(g[1].tokens) - 1
+    assert torch.equal(g[1].routes, plain[1].routes[:len(g[1].routes)])
