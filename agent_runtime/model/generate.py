@@ -238,7 +238,14 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     fed = [lens[b] - hits[b][1] for b in range(B)]    # prompt tokens each row prefills
     S = max(fed)
     if C and C + S + p.max_new_tokens > model.args.max_position:
-        hits, C, fed, S = [(None, 0)] * B, 0, list(lens), P   # the padded layout would not fit
+        # the padded layout would not fit: each row reuses at most `cap` cached tokens and
+        # feeds the rest again, which keeps S (every prompt fits the window with its budget,
+        # so lens[b] - cap <= S) and fills the window exactly
+        cap = model.args.max_position - p.max_new_tokens - S
+        hits = [(e, min(n, cap)) if e is not None and min(n, cap) > 0 else (None, 0)
+                for e, n in hits]
+        C = max(n for _, n in hits)
+        fed = [lens[b] - hits[b][1] for b in range(B)]
     ids = torch.zeros(B, S, dtype=torch.long)
     mask = torch.zeros(B, S, dtype=torch.bool)
     for b, x in enumerate(prompts):

@@ -144,3 +144,36 @@ def test_stop_strings_with_the_prefix_cache_on_match_an_uncached_generation(ckpt
     want = fresh.generate(ids, max_new_tokens=16, stop=["\n"])
     assert policy.prefix_cache.hits == 1
     assert (again.tokens, again.finish_reason, again.text) == (want.tokens, want.finish_reason, want.text)
+
+
+def test_when_the_padded_layout_would_overflow_rows_keep_what_fits_of_their_prefix(model):
+    cache = PrefixCache()
+    a = prompt(2, 60)
+    ga = generate(model, [a], GREEDY, prefix_cache=cache)[0]
+    a2 = a + ga.tokens + prompt(3, 5)              # 69 of its tokens cached
+    b = prompt(4, 40)                              # none of them
+    budget = model.args.max_position - len(a2)     # as much as the longer prompt allows:
+    calls = {"n": 0}                               # 69 cached + 40 new + budget overflow
+
+    def three():
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    widths = []
+    forward = model.forward
+
+    def spy(ids, *args, **kw):
+        widths.append(ids.shape[1])
+        return forward(ids, *args, **kw)
+
+    model.forward = spy
+    try:
+        got = generate(model, [a2, b], SamplingParams(max_new_tokens=budget),
+                       prefix_cache=cache, should_stop=three)
+    finally:
+        del model.forward
+    assert widths[0] == len(b)                     # not len(a2): a2 fed 40, reused 35
+    calls["n"] = 0
+    fresh = generate(model, [a2, b], SamplingParams(max_new_tokens=budget), should_stop=three)
+    for g, f in zip(got, fresh):
+        same(g, f)
