@@ -76,9 +76,10 @@ def default_recipe() -> RecipeConfig:
         grpo=GRPOStageConfig(steps=200, group_size=8, groups_per_step=2, lr=2e-5,
                              max_new_tokens=320, max_steps=12, workers=1, max_seconds=600,
                              task_seed=1, phrasings=0.6),
-        # a quick check inside the time budget (each model gets 200 s of episodes on 2
-        # processes); `apprentice eval -n 200` is the full measurement
-        eval=EvalConfig(n=200, processes=2, summary_window=2048, max_seconds=200))
+        # a quick check inside the time budget (each model gets 100 s of episodes on 2
+        # processes, then those under way finish); `apprentice eval -n 200` is the full
+        # measurement
+        eval=EvalConfig(n=200, processes=2, summary_window=2048, max_seconds=100))
 
 
 def toy_recipe() -> RecipeConfig:
