@@ -278,7 +278,7 @@ class Agent:
         """Replace the context by the policy's own summary of it; starts the next segment."""
         old = self.context.segment
         request, completion, summary = self.context.summarize(
-            self.policy, self.schemas, should_stop=self.stopping)
+            self.policy, should_stop=self.stopping)
         if completion.finish_reason == names.FINISH_CANCELLED:
             raise Cancelled("cancelled by the user")
         carried = self.context.restart(summary)

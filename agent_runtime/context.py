@@ -84,16 +84,15 @@ class Context:
             raise ContextOverflow(f"the prompt needs {used} tokens but the context window of "
                                   f"{policy.name} is {policy.context_window}")
 
-    def summary_request(self, policy: Policy, tools: list[dict] | None = None) -> list[dict]:
-        """The messages that ask for a summary, oldest turns elided until they fit (with
-        `tools` listed as in the conversation's own calls, see `summarize`)."""
+    def summary_request(self, policy: Policy) -> list[dict]:
+        """The messages that ask for a summary, oldest turns elided until they fit."""
         ask = {"role": "user", "content": self.config.summary_instruction,
                "kind": SUMMARY_REQUEST}
         turns = [dict(m) for m in self.turns]
         limit = policy.context_window - self.config.summary_max_tokens
         for i in range(len(turns) + 1):
             request = self.head + turns + [ask]
-            if policy.count_tokens(request, tools) <= limit:
+            if policy.count_tokens(request, None) <= limit:
                 return request
             if i < len(turns):
                 n = len(turns[i].get("content") or "")
@@ -101,16 +100,11 @@ class Context:
         raise ContextOverflow("even with every earlier turn elided, the summary request does "
                               f"not fit the context window of {policy.context_window} tokens")
 
-    def summarize(self, policy: Policy, tools: list[dict] | None = None,
-                  **complete_kw) -> tuple[list[dict], Completion, str]:
-        """Ask the policy for a summary; returns (request messages, completion, summary text).
-        `tools`: the schemas the conversation's calls list. The request is then the
-        conversation's own prompt with one message more (as Claude Code's compaction asks
-        within the conversation), so an engine's prefix cache reuses all of it instead of
-        prefilling thousands of tokens again; its tool calls, if any, are dropped."""
+    def summarize(self, policy: Policy, **complete_kw) -> tuple[list[dict], Completion, str]:
+        """Ask the policy for a summary; returns (request messages, completion, summary text)."""
         from agent_runtime.toolcalls import parse_tool_calls
-        request = self.summary_request(policy, tools)
-        completion = policy.complete(request, tools,
+        request = self.summary_request(policy)
+        completion = policy.complete(request, None,
                                      max_new_tokens=self.config.summary_max_tokens, **complete_kw)
         text = parse_tool_calls(completion.text).content.strip() or "(the summary was empty)"
         return request, completion, text

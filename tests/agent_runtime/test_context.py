@@ -53,27 +53,6 @@ def test_a_small_window_run_finishes_across_at_least_three_segments(store, works
     assert max(len(s["prompt_ids"]) for s in store.samples(result.session_id)) < policy.context_window
 
 
-def test_the_summary_request_continues_the_conversations_own_prompt(store, workspace):
-    """Tools listed as in every other call: the request is the last call's prompt, its answer
-    and what followed, plus the ask, token for token (an engine's prefix cache reuses it)."""
-    reads = [call("read_file", path="big.txt", offset=1 + 30 * i, limit=30) for i in range(4)]
-    summaries = [{"summary": "## Goal\nCount lines.\n## Done so far\nRead a part."}] * 4
-    policy = ReplayPolicy(reads + summaries + [call("finish", summary="400 lines")])
-    policy.context_window = head_tokens(policy) + 2500
-    result = Agent(policy, default_tools(), store, workspace,
-                   config=AgentConfig(summary_max_tokens=300)).run(TASK)
-    assert result.status == "finished"
-    samples = store.samples(result.session_id)
-    asks = [i for i in range(1, len(samples) - 1)         # a segment's last sample: its summary
-            if samples[i]["segment"] != samples[i + 1]["segment"]]
-    assert asks, "no summary was asked for"
-    for i in asks:
-        before, request = samples[i - 1], samples[i]
-        fed = list(before["prompt_ids"]) + list(before["completion_ids"])
-        assert list(request["prompt_ids"][:len(before["prompt_ids"])]) == list(before["prompt_ids"])
-        assert len(request["prompt_ids"]) > len(fed)
-
-
 def test_a_restart_keeps_system_prompt_task_summary_and_the_latest_user_message():
     context = Context("sys", TASK)
     for message in [{"role": "user", "content": "also fix the docs", "kind": "user"},
