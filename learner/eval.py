@@ -120,8 +120,10 @@ def policy_factory(spec: str, max_new_tokens: int = 512, context_window: int = 0
     if spec.startswith("replay:"):
         return lambda task: load_policy(spec)
     from agent_runtime.policies.batching import BatchingPolicy
+    # greedy: seed 0 makes the loop fallback's resampling reproducible; sampled: a fresh seed
+    # per call, or the samples of one task would repeat one another
     model = load_policy(spec, temperature=temperature, max_new_tokens=max_new_tokens,
-                        seed=0)       # the loop fallback's resampling, reproducible
+                        seed=0 if temperature == 0 else None)
     if context_window:
         model.context_window = min(context_window, model.context_window)
     policy = BatchingPolicy(model)

@@ -175,3 +175,5 @@ def test_the_temperature_reaches_the_model(tmp_path):
     for temperature in (0.0, 0.7):
         policy = policy_factory(str(path), 16, 0, temperature)(None)
         assert policy.policy.config.temperature == temperature
+        # a fixed seed would give every sample of a task the same first call
+        assert policy.policy.config.seed == (0 if temperature == 0 else None)
