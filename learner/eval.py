@@ -154,8 +154,8 @@ def episode_line(e: Episode) -> str:
 def format_report(report: EvalReport, verbose: bool = False) -> str:
     lines = [episode_line(e) for e in report.episodes] if verbose else []
     k = report.samples
+    tasks = report.tasks_solved() if k > 1 else {}
     if verbose and len(report.by_family()) > 1:
-        tasks = report.tasks_solved()
         lines += [f"  {family:<20} {s}/{n}" + (f"  pass@{k} {tasks[family][0]}/{tasks[family][1]}"
                                                if k > 1 else "")
                   for family, (s, n) in report.by_family().items()]
@@ -164,9 +164,8 @@ def format_report(report: EvalReport, verbose: bool = False) -> str:
     if report.cheated:
         summary += f"  cheated {report.cheated}"
     if k > 1:
-        counts = report.tasks_solved().values()
-        summary += (f"  pass@{k} {100 * report.pass_at_k:.1f}% "
-                    f"({sum(s for s, _ in counts)}/{sum(n for _, n in counts)} tasks)")
+        solved, total = (sum(c) for c in zip(*tasks.values()))
+        summary += f"  pass@{k} {100 * solved / total:.1f}% ({solved}/{total} tasks)"
     return "\n".join(lines + [summary])
 
 
