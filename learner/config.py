@@ -97,6 +97,10 @@ class PipelineConfig:
     seed: int = 0                   # task order and sampling seeds
     curriculum: bool = False        # draw task families where the policy both passes and
                                     # fails (`learner.curriculum`); tasks without a family: off
+    max_skipped: int = 0            # groups whose episodes all got one reward (no advantage,
+                                    # nothing to train) set aside per step, so a step trains on
+                                    # groups_per_step informative ones (DAPO's dynamic sampling);
+                                    # after this many the step takes what comes. 0: off
 
 
 @dataclass

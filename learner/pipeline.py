@@ -148,6 +148,7 @@ class Stats:
     episodes_generated: int = 0
     episodes_trained: int = 0
     samples_stale: int = 0
+    groups_skipped: int = 0                # uniform groups set aside (`max_skipped`)
     wall_s: float = 0.0
     trainer_idle_s: float = 0.0            # waiting for rollouts
     trainer_busy_s: float = 0.0            # forward, backward, update, publish, checkpoint
@@ -193,6 +194,7 @@ class Pipeline:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._skipped = 0                        # uniform groups set aside for the next step
 
     def _next_index(self) -> int:
         with self._lock:
@@ -237,12 +239,12 @@ class Pipeline:
                  "stale_dropped": stale,
                  "staleness_mean": sum(ages) / len(ages) if ages else None,
                  "staleness_max": max(ages) if ages else None, "idle_s": idle_s}
+        extra["groups_skipped"], self._skipped = self._skipped, 0
         saved = {"cursor": self.cursor}
         if self.curriculum:
+            for g in groups:
+                self._record(g)
             with self._lock:
-                for g in groups:
-                    self.curriculum.record(self._family.get(g.task_id),
-                                           [e.passed for e in g.episodes])
                 saved["curriculum"] = self.curriculum.state()
         row = self.trainer.step(samples, extra, saved)
         self.board.put(self.trainer.version, self.trainer.published)
@@ -258,6 +260,25 @@ class Pipeline:
             s.trainer_idle_s += idle_s
             s.trainer_busy_s += busy
         return row
+
+    def _record(self, group: Group) -> None:
+        if self.curriculum:
+            with self._lock:
+                self.curriculum.record(self._family.get(group.task_id),
+                                       [e.passed for e in group.episodes])
+
+    def _set_aside(self, group: Group) -> bool:
+        """Whether `group` is skipped rather than trained: all its episodes got one reward
+        (zero advantage everywhere) and fewer than `max_skipped` were skipped for this step.
+        A skipped group still counts for the curriculum."""
+        rewards = {e.reward for e in group.episodes}
+        if len(rewards) > 1 or self._skipped >= self.config.pipeline.max_skipped:
+            return False
+        self._record(group)
+        self._skipped += 1
+        with self._lock:
+            self.stats.groups_skipped += 1
+        return True
 
     def run(self, steps: int | None = None, max_seconds: float | None = None,
             on_step: Callable[[dict], None] | None = None) -> Stats:
@@ -286,7 +307,11 @@ class Pipeline:
         n = self.config.pipeline.groups_per_step
         while self._more(self.trainer, target, deadline):
             t0 = time.perf_counter()
-            groups = [self._group(self.policies[0]) for _ in range(n)]
+            groups: list[Group] = []
+            while len(groups) < n:
+                g = self._group(self.policies[0])
+                if not self._set_aside(g):
+                    groups.append(g)
             row = self._train(groups, time.perf_counter() - t0)
             if on_step:
                 on_step(row)
@@ -310,10 +335,15 @@ class Pipeline:
                     if self._error is not None:
                         raise RuntimeError("a rollout worker failed") from self._error
                     try:
-                        groups.append(q.get(timeout=0.1))
+                        g = q.get(timeout=0.1)
                     except queue.Empty:
                         if deadline is not None and time.perf_counter() >= deadline:
                             return
+                        continue
+                    if self._set_aside(g):
+                        self._credits.release()  # trained by no step: another may start
+                    else:
+                        groups.append(g)
                 row = self._train(groups, time.perf_counter() - t0)
                 for _ in groups:                 # their version is out: more may start
                     self._credits.release()

@@ -258,3 +258,44 @@ def test_a_sim_group_ends_its_episodes_when_the_run_stops(tmp_path):
         statuses = [store.get_session(e.session_id)["status"] for e in group.episodes]
     assert statuses == ["cancelled", "cancelled"]
     assert policy.calls < 10           # 3 model calls, and at most one more a poll
+
+
+def uniform_or_mixed_runner(drawn):
+    """Groups of 4 episodes: tasks "flat/*" all pass, tasks "mixed/*" half pass."""
+    def runner(policy, task, store, rollout, should_stop):
+        drawn.append(task.id)
+        passed = [True] * 4 if task.family == "flat" else [True, False] * 2
+        return Group(task.id, [Episode(f"s{len(drawn)}-{i}", float(p), p)
+                               for i, p in enumerate(passed)], [[]] * 4)
+    return runner
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_uniform_groups_are_set_aside_so_a_step_trains_informative_ones(ckpt, tmp_path, mode):
+    from types import SimpleNamespace
+    base, store, _ = build(ckpt, tmp_path, "sync")
+    tasks = [SimpleNamespace(id=f"{family}/{i}", family=family)
+             for i in range(8) for family in ("flat", "flat", "mixed")]   # 2 flat, then 1 mixed
+    drawn, rows = [], []
+    cfg = config(ckpt, mode, steps=3, max_skipped=8)
+    pipe = pipeline.Pipeline(base.trainer, base.policies, tasks, uniform_or_mixed_runner(drawn),
+                             store, cfg)
+    pipe.run(on_step=rows.append)
+    assert [r["groups"] for r in rows] == [2, 2, 2]
+    assert [r["pass_rate"] for r in rows] == [0.5, 0.5, 0.5]     # only mixed groups trained
+    assert sum(r["groups_skipped"] for r in rows) == pipe.stats.groups_skipped >= 3 * 2 * 2 - 2
+    if mode == "sync":
+        assert [r["groups_skipped"] for r in rows] == [4, 4, 4]
+
+
+def test_set_aside_is_bounded_so_a_policy_that_never_varies_still_steps(ckpt, tmp_path):
+    from types import SimpleNamespace
+    base, store, _ = build(ckpt, tmp_path, "sync")
+    tasks = [SimpleNamespace(id=f"flat/{i}", family="flat") for i in range(4)]
+    drawn, rows = [], []
+    cfg = config(ckpt, "sync", steps=2, max_skipped=3)
+    pipe = pipeline.Pipeline(base.trainer, base.policies, tasks, uniform_or_mixed_runner(drawn),
+                             store, cfg)
+    pipe.run(on_step=rows.append)
+    assert [(r["groups_skipped"], r["groups"], r["pass_rate"]) for r in rows] == [(3, 2, 1.0)] * 2
+    assert len(drawn) == 2 * (3 + 2)
