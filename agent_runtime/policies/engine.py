@@ -196,8 +196,7 @@ class EnginePolicy:
 
         def done(i: int, gen: Generation, version: int, temperature: float) -> None:
             """Row i ended; hand it over unless the loop guard's retry will run it again."""
-            if on_complete is None or (gen.finish_reason == names.FINISH_LOOP and
-                                       any(t > temperature for t in self.config.loop_fallback)):
+            if on_complete is None or self._hotter(gen, temperature):
                 return
             delivered[i] = self._completion(prompts[i], gen, version, temperature, skip)
             on_complete(i, delivered[i])
@@ -212,8 +211,7 @@ class EnginePolicy:
         # guard ended is sampled again, hotter. Only the last attempt is returned (and
         # recorded), with the temperature its logprobs are of.
         for t in self.config.loop_fallback:
-            redo = [i for i, g in enumerate(gens)
-                    if g.finish_reason == names.FINISH_LOOP and t > temps[i]]
+            redo = [i for i, g in enumerate(gens) if t in self._hotter(g, temps[i])]
             if not redo:
                 continue
             for i in redo:
@@ -228,6 +226,13 @@ class EnginePolicy:
         return [delivered.get(i) or self._completion(prompt, gen, version, temperature, skip)
                 for i, (prompt, gen, version, temperature)
                 in enumerate(zip(prompts, gens, versions, temps))]
+
+    def _hotter(self, gen: Generation, temperature: float) -> list[float]:
+        """The temperatures a call decoded at `temperature` is sampled again at (the loop
+        guard ended it: `loop_fallback`'s hotter ones, in order); [] when it is final."""
+        if gen.finish_reason != names.FINISH_LOOP:
+            return []
+        return [t for t in self.config.loop_fallback if t > temperature]
 
     def _completion(self, prompt: list[int], gen: Generation, version: int, temperature: float,
                     skip: set[int]) -> Completion:
