@@ -196,6 +196,9 @@ class LoopGuard:
             self.run + self.period >= max(self.span, self.MIN_REPEATS * self.period)
 
 
+DROP_ENDED = True  # rows that ended leave the batch's cache (False: they ride along; benchmarks)
+
+
 def _route_dtype(model: MoEModel) -> torch.dtype:
     return torch.uint8 if model.args.num_experts <= 256 else torch.int16
 
@@ -267,7 +270,11 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             heads[b] = entry.routes[:n] if entry.routes is not None else None
         cache.pos = C
     out = model(ids, cache=cache, attention_mask=mask if ragged else None, logits_to_keep=1)
-    route_chunks = [out.routes.to(_route_dtype(model)).cpu()] if out.routes is not None else []
+    # routes of each step, with the cache row each live row had then: [rows, steps, L, k]
+    slot = {b: b for b in range(B)}                   # row -> its row in the cache, while live
+    route_chunks: list[tuple[torch.Tensor, dict[int, int]]] = []
+    if out.routes is not None:
+        route_chunks.append((out.routes.to(_route_dtype(model)).cpu(), slot))
     tokens: list[list[int]] = [[] for _ in range(B)]
     logprobs: list[list[float]] = [[] for _ in range(B)]
     reasons: list[str | None] = [None] * B
@@ -277,20 +284,22 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     held = list(constraints) if constraints is not None and any(constraints) else None
     forced: list[list[int]] = [[] for _ in range(B)]
     fast = stepper(model)                             # the same step in C++, when it can
-    done: list[Generation | None] = [None] * B        # rows already handed to `on_done`
+    done: list[Generation | None] = [None] * B        # rows that ended, with their results
+    live = list(range(B))                             # rows still decoding, in cache order
 
-    def finish(b: int, routes: torch.Tensor | None = None) -> Generation:
-        """Row b's result (its routes, its prefix stored for the next call), once it ended.
-        `routes`: every row's [B, S + steps, L, k], when already joined."""
+    def finish(b: int) -> Generation:
+        """Row b's result (its routes, its prefix stored for the next call), once it ended,
+        while it still holds its cache row."""
         n = len(tokens[b])
         r = None
         if route_chunks:                              # [S + steps, L, k] of row b so far
-            r = routes[b] if routes is not None else torch.cat([c[b] for c in route_chunks])
+            r = torch.cat([c[rows[b]] for c, rows in route_chunks if b in rows])
             r = r[S - fed[b]:S + n - 1]
             if heads[b] is not None:
                 r = torch.cat([heads[b], r])
         if prefix_cache is not None and prefix_cache.max_bytes > 0 and n:
-            _store(prefix_cache, cache, b, list(prompts[b]) + tokens[b][:n - 1], r, hits[b][0])
+            _store(prefix_cache, cache, slot[b], list(prompts[b]) + tokens[b][:n - 1], r,
+                   hits[b][0])
         text = texts[b]
         if text is None and decode is not None:
             text = decode(tokens[b])
@@ -308,55 +317,63 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                     reasons[b] = names.FINISH_CANCELLED
             if all(r is not None for r in reasons):
                 break
-        tok, lp = sample(out.logits[:, -1], p, gen)
+        tok, lp = sample(out.logits[:, -1], p, gen)   # one per live row, in cache order
         tok_l, lp_l = tok.tolist(), lp.tolist()
         if held is not None:
-            for b, m in enumerate(held):
-                if m is None or reasons[b] is not None or m.allows(tok_l[b]):
+            for j, b in enumerate(live):
+                m = held[b]
+                if m is None or reasons[b] is not None or m.allows(tok_l[j]):
                     continue
-                t = _allowed(out.logits[b, -1], tok_l[b], p, gen, m)
+                t = _allowed(out.logits[j, -1], tok_l[j], p, gen, m)
                 if t is None:                 # nothing allowed: the row goes on unconstrained
                     log.info("constraint of row %d allows no token after %r", b,
                              getattr(m, "state", None))
                     held[b] = None
                     continue
-                tok[b], tok_l[b] = t, t
-                lp_l[b] = _own_logprob(out.logits[b, -1], t, p)
+                tok[j], tok_l[j] = t, t
+                lp_l[j] = _own_logprob(out.logits[j, -1], t, p)
                 forced[b].append(len(tokens[b]))
-        for b in range(B):
+        for j, b in enumerate(live):
             if reasons[b] is not None:
                 continue
             if held is not None and held[b] is not None:
-                held[b].advance(tok_l[b])
-            tokens[b].append(tok_l[b])
-            logprobs[b].append(lp_l[b])
+                held[b].advance(tok_l[j])
+            tokens[b].append(tok_l[j])
+            logprobs[b].append(lp_l[j])
             if on_token is not None:
-                on_token(b, tok_l[b], lp_l[b])
-            if tok_l[b] in stop_ids:
+                on_token(b, tok_l[j], lp_l[j])
+            if tok_l[j] in stop_ids:
                 reasons[b] = names.FINISH_EOS
-            elif guards is not None and guards[b].push(tok_l[b]):
+            elif guards is not None and guards[b].push(tok_l[j]):
                 reasons[b] = names.FINISH_LOOP
             elif p.stop:
                 text = decode(tokens[b])
                 found = [text.find(s) for s in p.stop if s and s in text]
                 if found:
                     reasons[b], texts[b] = names.FINISH_STOP, text[:min(found)]
-        last = all(r is not None for r in reasons) or step == p.max_new_tokens - 1
-        if on_done is not None and not last:
-            for b in range(B):
-                if reasons[b] is not None and done[b] is None:
-                    done[b] = finish(b)
-                    on_done(b, done[b])
-        if last:
+        if all(r is not None for r in reasons) or step == p.max_new_tokens - 1:
             break
+        ended = [b for b in live if reasons[b] is not None and done[b] is None]
+        if ended:
+            # hand each ended row over now (its agent runs tools while the others decode),
+            # then drop it from the cache: later steps neither compute nor scan it
+            for b in ended:
+                done[b] = finish(b)
+                if on_done is not None:
+                    on_done(b, done[b])
+        if ended and DROP_ENDED:
+            kept = [j for j, b in enumerate(live) if reasons[b] is None]
+            order = cache.keep(kept)
+            live = [live[j] for j in order]
+            slot = {b: j for j, b in enumerate(live)}
+            tok = tok[torch.tensor(order)]
         out = fast(tok, cache) if fast is not None else model(tok[:, None].to(dev), cache=cache)
         if out.routes is not None:
-            route_chunks.append(out.routes.to(_route_dtype(model)).cpu())
-    routes = torch.cat(route_chunks, dim=1) if route_chunks else None     # [B, S + steps, L, k]
-    results = [done[b] or finish(b, routes) for b in range(B)]
+            route_chunks.append((out.routes.to(_route_dtype(model)).cpu(), slot))
+    results = [done[b] or finish(b) for b in range(B)]
     if on_done is not None:
         for b in range(B):
-            if done[b] is None:
+            if b in slot and done[b] is None:
                 on_done(b, results[b])
     return results
 

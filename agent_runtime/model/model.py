@@ -63,6 +63,27 @@ class KVCache:
         self.max_len, self.dtype = max_len, dtype
         self.pos = 0                          # columns filled so far
 
+    def keep(self, rows: list[int]) -> list[int]:
+        """Drop every row not in `rows` (rows that finished while others decode on, so that
+        later steps compute and scan only live ones). Moves as few rows as it can: a kept row
+        past the new end fills a dropped row's slot. Returns the kept rows' old indices in
+        their new order."""
+        n, kept = len(rows), set(rows)
+        order = list(range(n))
+        holes = [j for j in range(n) if j not in kept]
+        movers = [j for j in rows if j >= n]
+        for hole, src in zip(holes, movers):
+            order[hole] = src
+        if holes:
+            dst, src = torch.tensor(holes), torch.tensor(movers)
+            for t in self.k + self.v:
+                t[dst, :, :self.pos] = t[src, :, :self.pos]
+            self.valid[dst] = self.valid[src]
+        self.k = [t[:n] for t in self.k]
+        self.v = [t[:n] for t in self.v]
+        self.valid = self.valid[:n]
+        return order
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.pos + k.shape[2]
         self.k[layer][:, :, self.pos:end] = k

@@ -184,3 +184,35 @@ def test_on_done_hands_each_row_over_as_it_ends(model):
     assert g[0].tokens == plain[0].tokens and torch.equal(g[0].routes, plain[0].routes)
     assert len(g[1].routes) == len(ps[1]) + len(g[1].tokens) - 1
     assert torch.equal(g[1].routes, plain[1].routes[:len(g[1].routes)])
+
+
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_rows_that_end_leave_the_batch_and_the_others_decode_as_alone(model, monkeypatch, fast):
+    """Once rows 0 and 1 are cancelled, later steps run on rows 2 and 3 only (moved into the
+    freed cache rows), and those two still decode exactly as they do one by one (in the
+    Python step and in the C++ one)."""
+    monkeypatch.setenv("APPRENTICE_FAST_DECODE", fast)      # "0": steps through model.forward
+    ps = prompts(6, 9, 4, 7)
+    steps = {"n": 0}
+    sizes = []
+    forward = model.forward
+
+    def spy(input_ids, *a, **kw):
+        sizes.append(input_ids.shape[0])
+        return forward(input_ids, *a, **kw)
+
+    def count(row, token, logprob):
+        steps["n"] += row == 3
+
+    monkeypatch.setattr(model, "forward", spy)
+    g = generate(model, ps, SamplingParams(max_new_tokens=16), on_token=count,
+                 row_should_stop=[lambda: steps["n"] >= 3, lambda: steps["n"] >= 5, None, None])
+    monkeypatch.setattr(model, "forward", forward)
+    assert sizes == ([4] * 4 + [3] * 2 + [2] * 10 if fast == "0" else [4]), sizes
+    assert [x.finish_reason for x in g] == ["cancelled", "cancelled", "length", "length"]
+    for p, x in zip(ps[2:], g[2:]):
+        single = generate(model, [p], SamplingParams(max_new_tokens=16))[0]
+        assert x.tokens == single.tokens
+        assert max(abs(a - b) for a, b in zip(x.logprobs, single.logprobs)) < 1e-4
+        assert torch.equal(x.routes, single.routes)
+    assert len(g[0].tokens) == 3 and len(g[0].routes) == len(ps[0]) + 3 - 1
