@@ -97,6 +97,8 @@ class PipelineConfig:
     seed: int = 0                   # task order and sampling seeds
     curriculum: bool = False        # draw task families where the policy both passes and
                                     # fails (`learner.curriculum`); tasks without a family: off
+    revisit: float = 0.0            # with the curriculum: share of a family's draws that rerun
+                                    # a task whose last group was mixed (`learner.curriculum`)
     max_skipped: int = 0            # groups whose episodes all got one reward (no advantage,
                                     # nothing to train) set aside per step, so a step trains on
                                     # groups_per_step informative ones (DAPO's dynamic sampling);

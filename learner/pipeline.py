@@ -179,12 +179,15 @@ class Pipeline:
         self.cursor = cursor                     # index of the next task (saved in checkpoints)
         self.curriculum: FamilyCurriculum | None = None     # draws the tasks when configured
         self._family: dict[Any, str] = {}        # task id -> family, for the curriculum
+        self._index: dict[Any, int] = {}         # task id -> its index in `tasks`, likewise
         families = [getattr(t, "family", None) for t in self.tasks]
         if config.pipeline.curriculum and self.tasks and None not in families:
-            self.curriculum = FamilyCurriculum(families, seed=config.pipeline.seed)
+            self.curriculum = FamilyCurriculum(families, seed=config.pipeline.seed,
+                                               revisit=config.pipeline.revisit)
             if curriculum_state:
                 self.curriculum.load_state(curriculum_state)
             self._family = {t.id: t.family for t in self.tasks}
+            self._index = {t.id: i for i, t in enumerate(self.tasks)}
         self.board = WeightBoard(trainer.version, trainer.published)
         self.publish_hooks: list[Callable[[int, dict], None]] = []   # (version, state),
                                                  # called after each step's publish
@@ -265,7 +268,8 @@ class Pipeline:
         if self.curriculum:
             with self._lock:
                 self.curriculum.record(self._family.get(group.task_id),
-                                       [e.passed for e in group.episodes])
+                                       [e.passed for e in group.episodes],
+                                       self._index.get(group.task_id))
 
     def _set_aside(self, group: Group) -> bool:
         """Whether `group` is skipped rather than trained: all its episodes got one reward

@@ -56,6 +56,8 @@ class GRPOStageConfig:
                                     # SFT data's own first instances; another seed: fresh ones)
     phrasings: float = 0.0          # share of them with composed instructions (wordings SFT
                                     # did not see; `learner.tasks.generate`)
+    revisit: float = 0.0            # share of draws that rerun a task whose last group was
+                                    # mixed (`PipelineConfig.revisit`; 0: off)
     max_skipped: int = 0            # groups with one reward throughout set aside per step
                                     # (`PipelineConfig.max_skipped`; 0: off)
     trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
@@ -253,7 +255,7 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
                                  workers=g.workers),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
                                    seed=g.seed, curriculum=g.curriculum,
-                                   max_skipped=g.max_skipped,
+                                   max_skipped=g.max_skipped, revisit=g.revisit,
                                    # on a CPU: one core trains while one rolls out
                                    torch_threads=1 if device == "cpu" else 0))
 

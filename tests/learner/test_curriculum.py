@@ -54,3 +54,28 @@ def test_the_estimate_follows_a_policy_that_changes():
     for _ in range(3):
         c.record("hard", [True, False] * 4)
     assert c.stats["hard"].pass_rate > 0.4
+
+
+def test_a_task_that_was_mixed_is_drawn_again_until_the_policy_settles_it():
+    c = FamilyCurriculum(FAMILIES, seed=2, revisit=0.5)
+    c.record("mixed", [True, False] * 4, index=12)
+    c.record("mixed", [True] * 8, index=13)             # uniform: not pooled
+    picks = [c.next_index() for _ in range(600)]
+    mixed = [i for i in picks if FAMILIES[i] == "mixed"]
+    assert mixed.count(12) > len(mixed) / 3             # ~half of the family's draws, + its turn
+    assert mixed.count(13) < len(mixed) / 6
+    c.record("mixed", [False] * 8, index=12)            # settled (all fail): out of the pool
+    later = [i for i in (c.next_index() for _ in range(600)) if FAMILIES[i] == "mixed"]
+    assert later.count(12) < len(later) / 4             # its turn in order: 1 / 5
+    plain = FamilyCurriculum(FAMILIES, seed=2)
+    plain.record("mixed", [True, False] * 4, index=12)
+    assert plain.pools["mixed"] == []
+
+
+def test_the_pool_is_saved_and_restored():
+    a = FamilyCurriculum(FAMILIES, seed=3, revisit=0.7)
+    a.record("hard", [True] + [False] * 7, index=6)
+    b = FamilyCurriculum(FAMILIES, seed=3, revisit=0.7)
+    b.load_state(a.state())
+    assert b.pools["hard"] == [6]
+    assert [a.next_index() for _ in range(30)] == [b.next_index() for _ in range(30)]
