@@ -8,14 +8,15 @@ concurrent calls and hands them to the wrapped policy's `complete_many` as one b
     shared = BatchingPolicy(EnginePolicy.load(path))
     run_episodes(lambda task: shared, tasks, store, concurrency=8)
 
-Whoever calls first while no batch is running leads: it waits briefly for more calls (until
-none arrive for `gather_s`, at most `max_wait_s`), decodes up to `max_batch` of the queued
-calls that ask for the same `max_new_tokens`, hands every caller its completion (or the error),
-and the next waiting caller leads the next batch. A policy with `delivers_early` (the engine)
-hands each row over as soon as it ends, so that caller's agent runs its tools while the
-batch's longer rows decode. Calls that arrive while a batch runs form
-the next one. A caller's `should_stop` cancels its own row only. Policies without
-`complete_many` are called one at a time.
+A decoding thread of the wrapper's own (started by the first call, gone after `idle_s`
+without calls) waits briefly for more calls (until none arrive for `gather_s`, at most
+`max_wait_s`), decodes up to `max_batch` of the queued calls that ask for the same
+`max_new_tokens`, hands every caller its completion (or the error), and goes on with the calls
+that queued meanwhile. No caller decodes for the others: with a policy that `delivers_early`
+(the engine), every row is handed over as soon as it ends, so each caller's agent runs its
+tools while the batch's longer rows decode (when a caller led the batch on its own thread,
+its row came back only with the longest). A caller's `should_stop` cancels its own row only.
+Policies without `complete_many` are called one at a time.
 """
 
 from __future__ import annotations
@@ -62,15 +63,16 @@ class BatchingPolicy:
     """A thread-safe `Policy` whose concurrent `complete()` calls run as batches."""
 
     def __init__(self, policy: Any, max_batch: int = 16, gather_s: float = 0.005,
-                 max_wait_s: float = 0.05):
+                 max_wait_s: float = 0.05, idle_s: float = 0.5):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.policy = policy
         self.max_batch, self.gather_s, self.max_wait_s = max_batch, gather_s, max_wait_s
+        self.idle_s = idle_s
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._queue: list[_Call] = []
-        self._leading = False
+        self._decoder: threading.Thread | None = None
 
     def __getattr__(self, name: str) -> Any:          # name, version, count_tokens, ...
         return getattr(self.policy, name)
@@ -81,21 +83,36 @@ class BatchingPolicy:
         call = _Call(messages, tools, max_new_tokens, on_text, should_stop, grammar)
         with self._cond:
             self._queue.append(call)
+            if self._decoder is None:
+                self._decoder = threading.Thread(target=self._serve, daemon=True,
+                                                 name="apprentice-batching")
+                self._decoder.start()
             self._cond.notify_all()
             while not call.done:
-                if self._leading:
-                    self._cond.wait()
-                    continue
-                self._leading = True
-                try:
-                    self._lead()                   # releases the lock while decoding
-                finally:
-                    self._leading = False
-                    self._cond.notify_all()
+                self._cond.wait()
         if call.error is not None:
             raise call.error
         assert call.result is not None
         return call.result
+
+    def _serve(self) -> None:
+        """The decoding thread: batches while calls come, ends after `idle_s` without any."""
+        with self._cond:
+            try:
+                while True:
+                    if not self._queue:
+                        self._cond.wait(self.idle_s)
+                        if not self._queue:
+                            return
+                    self._lead()                   # releases the lock while decoding
+                    self._cond.notify_all()        # its callers
+            finally:
+                self._decoder = None
+                if self._queue:                    # it died of an error: the waiting calls
+                    self._decoder = threading.Thread(target=self._serve, daemon=True,
+                                                     name="apprentice-batching")
+                    self._decoder.start()          # get another
+                self._cond.notify_all()
 
     def _lead(self) -> None:
         """Gather, take one batch off the queue and decode it (called holding the lock)."""
@@ -111,6 +128,9 @@ class BatchingPolicy:
         first = self._queue[0].max_new_tokens
         batch = [c for c in self._queue if c.max_new_tokens == first][:self.max_batch]
         self._queue = [c for c in self._queue if c not in batch]
+        self.stats.batches += 1                    # counted as it starts: a caller whose row
+        self.stats.calls += len(batch)             # was handed over early may return (and
+        self.stats.sizes.append(len(batch))        # look) before the batch ends
         self._cond.release()
         try:
             self._decode(batch)
@@ -118,9 +138,6 @@ class BatchingPolicy:
             self._cond.acquire()
             for c in batch:
                 c.done = True
-        self.stats.batches += 1
-        self.stats.calls += len(batch)
-        self.stats.sizes.append(len(batch))
 
     def _decode(self, batch: list[_Call]) -> None:
         try:

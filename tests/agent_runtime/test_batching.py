@@ -214,9 +214,9 @@ class Early:
         raise AssertionError("the two calls were meant to form one batch")
 
 
-def test_a_row_handed_over_early_returns_to_its_caller_while_the_batch_runs():
+def test_every_row_handed_over_early_returns_to_its_caller_while_the_batch_runs():
     policy = Early()
-    # the leader waits (up to 30 s) until both calls are queued: one batch of two
+    # the batch waits (up to 30 s) until both calls are queued: one batch of two
     shared = BatchingPolicy(policy, max_batch=2, gather_s=30, max_wait_s=30)
     got = {}
 
@@ -226,14 +226,28 @@ def test_a_row_handed_over_early_returns_to_its_caller_while_the_batch_runs():
     threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    for _ in range(600):                # the caller that is not leading the batch returns
-        if got:
+    for _ in range(600):                # both callers return; none of them decodes the batch
+        if len(got) == 2:
             break
         threading.Event().wait(0.05)
-    assert len(got) == 1 and all(c.text == f"call {i}" for i, c in got.items())
-    threading.Event().wait(0.2)
-    assert len(got) == 1                        # the leader's own call ends with the batch
+    assert {i: c.text for i, c in got.items()} == {0: "call 0", 1: "call 1"}
+    assert not policy.release.is_set() and shared._decoder.is_alive()   # the batch still runs
     policy.release.set()
     for t in threads:
         t.join(30)
-    assert {i: c.text for i, c in got.items()} == {0: "call 0", 1: "call 1"}
+    assert shared.stats.batches == 1 and shared.stats.calls == 2
+
+
+def test_the_decoding_thread_ends_when_idle_and_the_next_call_starts_another():
+    policy = OneAtATime()
+    shared = BatchingPolicy(policy, idle_s=1.0)
+    assert shared.complete([{"role": "user", "content": "a"}]).text == "a"
+    first = shared._decoder
+    assert first is not None and first.is_alive()
+    for _ in range(300):
+        if shared._decoder is None:
+            break
+        threading.Event().wait(0.01)
+    assert shared._decoder is None and not first.is_alive()
+    assert shared.complete([{"role": "user", "content": "b"}]).text == "b"
+    assert policy.calls == 2
