@@ -31,6 +31,8 @@ FINISH_LENGTH = "length"                   # it hit max_new_tokens (or the windo
 FINISH_CANCELLED = "cancelled"             # the caller stopped it mid-way
 FINISH_LOOP = "loop"                       # it was repeating itself (a degenerate loop)
 FINISH_REASONS = (FINISH_STOP, FINISH_EOS, FINISH_LENGTH, FINISH_CANCELLED, FINISH_LOOP)
+FINISH_PAUSED = "paused"                     # its batch gave way to waiting calls: it goes on
+                                             # in a later batch (never final, never recorded)
 
 # -- feedback sources: who said it ------------------------------------------------------------
 EXPLICIT = "explicit"                      # the user's thumbs (command line, TUI)

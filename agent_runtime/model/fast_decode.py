@@ -152,8 +152,12 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
 
     def step(tokens: torch.Tensor, cache: KVCache) -> ModelOutput:
         past = cache.pos
-        if past + 1 > min(cache.max_len, a.max_position):
+        if past + 1 > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + 1} tokens > cache length {cache.max_len}")
+        if past + 1 > a.max_position and bool(cache.valid[:, :past].all()):
+            # columns past the window are fine only for left-padded rows (positions count a
+            # row's own tokens); a row with every column would be past the window
+            raise ValueError(f"{past + 1} tokens exceed the context window ({a.max_position})")
         logits, routes = ext.decode_step(
             tokens, past, cache.valid, cos, sin, model.embed_tokens.weight, model.norm.weight,
             model.lm_head.weight, layers, biases, cache.k, cache.v, a.num_heads,

@@ -52,6 +52,7 @@ class Generation:
     prompt_len: int = 0
     forced: list[int] | None = None         # positions where a constraint refused the sampled
                                             # token and another was drawn (logprob: the model's)
+    constraint: object | None = None        # a paused row's constraint, mid-way: resume with it
 
 
 def _filter_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -211,13 +212,29 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
              row_should_stop: Sequence[Callable[[], bool] | None] | None = None,
              prefix_cache: PrefixCache | None = None,
              constraints: Sequence[object | None] | None = None,
-             on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+             on_done: Callable[[int, Generation], None] | None = None,
+             resume: Sequence[Generation | None] | None = None,
+             should_yield: Callable[[], bool] | None = None,
+             window: int | None = None) -> list[Generation]:
     """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams.
     `should_stop()` cancels every row; `row_should_stop[b]()` cancels row b alone (its
     generation ends "cancelled" while the other rows go on). `constraints[b]` (or None)
     holds row b to what it allows. `on_done(row, generation)` hands each row's result over
     as soon as that row ends, while the others go on (the same object is returned at the
-    end)."""
+    end).
+
+    Continuous batching: when `should_yield()` turns true between two steps, every row still
+    decoding ends "paused" (its keys and values stored in `prefix_cache`), and a later call
+    goes on with it: `resume[b]` is row b's paused `Generation` and `prompts[b]` its prompt
+    followed by that generation's tokens. The row keeps its tokens, logprobs and budget
+    (`max_new_tokens` counts them), only its last token is fed again, and its result is
+    what one uninterrupted call gives (greedy: the same tokens; the routes and the prompt
+    length are the original prompt's).
+
+    `window`: each row's budget is `max_new_tokens` or what is left of a window of this many
+    tokens after its own prompt, whichever is less (a batch gives each row what it would get
+    alone); without it, a prompt that leaves less than `max_new_tokens` of the model's window
+    is an error."""
     p = params or SamplingParams()
     if p.stop and decode is None:
         raise ValueError("stop strings need a `decode` function (token ids -> text)")
@@ -227,11 +244,27 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     lens = [len(x) for x in prompts]
     if min(lens) == 0:
         raise ValueError("every prompt needs at least one token")
-    P = max(lens)
+    seeds = [list(r.tokens) if r is not None else [] for r in (resume or [None] * B)]
+    if len(seeds) != B:
+        raise ValueError("resume: one paused generation (or None) per prompt")
+    seeded = [len(x) for x in seeds]
+    own = [lens[b] - seeded[b] for b in range(B)]     # each row's prompt, without its tokens
+    if window is None:
+        if max(own) + p.max_new_tokens > model.args.max_position:
+            raise ValueError(f"prompt ({max(own)}) + max_new_tokens ({p.max_new_tokens}) "
+                             f"exceeds the context window ({model.args.max_position})")
+        budgets = [p.max_new_tokens] * B
+    else:
+        window = min(window, model.args.max_position)
+        if max(own) >= window:
+            raise ValueError(f"prompt of {max(own)} tokens fills the context window ({window})")
+        budgets = [min(p.max_new_tokens, window - n) for n in own]
+    if any(x and (len(x) >= lens[b] or len(x) > budgets[b]
+                  or list(prompts[b][lens[b] - len(x):]) != x) for b, x in enumerate(seeds)):
+        raise ValueError("resume: a paused generation's tokens must end its prompt, within "
+                         "its budget")
+    steps = max(n - k for n, k in zip(budgets, seeded))   # the most any row may still add
     dev = model.embed_tokens.weight.device
-    if P + p.max_new_tokens > model.args.max_position:
-        raise ValueError(f"prompt ({P}) + max_new_tokens ({p.max_new_tokens}) exceeds the "
-                         f"context window ({model.args.max_position})")
     hits: list[tuple[Prefix | None, int]] = [(None, 0)] * B
     if prefix_cache is not None:
         if B > 1 and prefix_cache.max_bytes > 0:
@@ -240,15 +273,16 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     C = max(n for _, n in hits)                       # cached columns (right-aligned per row)
     fed = [lens[b] - hits[b][1] for b in range(B)]    # prompt tokens each row prefills
     S = max(fed)
-    if C and C + S + p.max_new_tokens > model.args.max_position:
+    if C and C + S + steps > model.args.max_position:
         # the padded layout would not fit: each row reuses at most `cap` cached tokens and
         # feeds the rest again, which keeps S (every prompt fits the window with its budget,
         # so lens[b] - cap <= S) and fills the window exactly
-        cap = model.args.max_position - p.max_new_tokens - S
+        cap = model.args.max_position - steps - S
         hits = [(e, min(n, cap)) if e is not None and min(n, cap) > 0 else (None, 0)
                 for e, n in hits]
         C = max(n for _, n in hits)
         fed = [lens[b] - hits[b][1] for b in range(B)]
+        S = max(fed)                                  # (a resumed row may need more)
     ids = torch.zeros(B, S, dtype=torch.long)
     mask = torch.zeros(B, S, dtype=torch.bool)
     for b, x in enumerate(prompts):
@@ -257,7 +291,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     ragged = min(fed) != S or any(n != C for _, n in hits)
     ids, mask = ids.to(dev), mask.to(dev)
     gen = torch.Generator(device=dev).manual_seed(p.seed if p.seed is not None else int(torch.randint(2**62, ())))
-    cache = model.new_cache(B, C + S + p.max_new_tokens)
+    cache = model.new_cache(B, C + S + steps)
     heads: list[torch.Tensor | None] = [None] * B     # routes of each row's reused positions
     if C:
         for b, (entry, n) in enumerate(hits):
@@ -275,14 +309,20 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     route_chunks: list[tuple[torch.Tensor, dict[int, int]]] = []
     if out.routes is not None:
         route_chunks.append((out.routes.to(_route_dtype(model)).cpu(), slot))
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    logprobs: list[list[float]] = [[] for _ in range(B)]
+    tokens: list[list[int]] = seeds                   # a resumed row's start with its own
+    logprobs: list[list[float]] = [list(r.logprobs) if r is not None else []
+                                   for r in (resume or [None] * B)]
     reasons: list[str | None] = [None] * B
     texts: list[str | None] = [None] * B
     stop_ids = set(p.stop_token_ids)
     guards = [LoopGuard(p.loop_span) for _ in range(B)] if p.loop_span > 0 else None
+    if guards is not None:
+        for b in range(B):
+            for t in seeds[b]:
+                guards[b].push(t)
     held = list(constraints) if constraints is not None and any(constraints) else None
-    forced: list[list[int]] = [[] for _ in range(B)]
+    forced: list[list[int]] = [list(r.forced or []) if r is not None else []
+                               for r in (resume or [None] * B)]
     fast = stepper(model)                             # the same step in C++, when it can
     done: list[Generation | None] = [None] * B        # rows that ended, with their results
     live = list(range(B))                             # rows still decoding, in cache order
@@ -290,7 +330,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     def finish(b: int) -> Generation:
         """Row b's result (its routes, its prefix stored for the next call), once it ended,
         while it still holds its cache row."""
-        n = len(tokens[b])
+        n = len(tokens[b]) - seeded[b]                # new tokens of this call
         r = None
         if route_chunks:                              # [S + steps, L, k] of row b so far
             r = torch.cat([c[rows[b]] for c, rows in route_chunks if b in rows])
@@ -298,16 +338,19 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             if heads[b] is not None:
                 r = torch.cat([heads[b], r])
         if prefix_cache is not None and prefix_cache.max_bytes > 0 and n:
-            _store(prefix_cache, cache, slot[b], list(prompts[b]) + tokens[b][:n - 1], r,
-                   hits[b][0])
+            _store(prefix_cache, cache, slot[b], list(prompts[b]) + tokens[b][seeded[b]:-1],
+                   r, hits[b][0])
         text = texts[b]
         if text is None and decode is not None:
             text = decode(tokens[b])
         return Generation(tokens=tokens[b], logprobs=logprobs[b], routes=r,
                           finish_reason=reasons[b] or names.FINISH_LENGTH, text=text,
-                          prompt_len=lens[b], forced=forced[b] if held is not None else None)
+                          prompt_len=lens[b] - seeded[b],
+                          forced=forced[b] if held is not None else None,
+                          constraint=held[b] if held is not None
+                          and reasons[b] == names.FINISH_PAUSED else None)
 
-    for step in range(p.max_new_tokens):
+    for step in range(steps):
         if should_stop is not None and should_stop():
             reasons = [r or names.FINISH_CANCELLED for r in reasons]
             break
@@ -346,12 +389,11 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                 reasons[b] = names.FINISH_EOS
             elif guards is not None and guards[b].push(tok_l[j]):
                 reasons[b] = names.FINISH_LOOP
-            elif p.stop:
-                text = decode(tokens[b])
-                found = [text.find(s) for s in p.stop if s and s in text]
-                if found:
-                    reasons[b], texts[b] = names.FINISH_STOP, text[:min(found)]
-        if all(r is not None for r in reasons) or step == p.max_new_tokens - 1:
+            elif p.stop and _stopped(decode(tokens[b]), p.stop, texts, reasons, b):
+                pass
+            elif len(tokens[b]) == budgets[b]:
+                reasons[b] = names.FINISH_LENGTH
+        if all(r is not None for r in reasons) or step == steps - 1:
             break
         ended = [b for b in live if reasons[b] is not None and done[b] is None]
         if ended:
@@ -367,6 +409,11 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             live = [live[j] for j in order]
             slot = {b: j for j, b in enumerate(live)}
             tok = tok[torch.tensor(order)]
+        if should_yield is not None and should_yield():
+            for b in live:                            # their last token is fed when resumed
+                if reasons[b] is None:
+                    reasons[b] = names.FINISH_PAUSED
+            break
         out = fast(tok, cache) if fast is not None else model(tok[:, None].to(dev), cache=cache)
         if out.routes is not None:
             route_chunks.append((out.routes.to(_route_dtype(model)).cpu(), slot))
@@ -376,6 +423,14 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             if b in slot and done[b] is None:
                 on_done(b, results[b])
     return results
+
+
+def _stopped(text: str, stop: Sequence[str], texts: list, reasons: list, b: int) -> bool:
+    """Whether row b's `text` holds a stop string (then ended there, "stop")."""
+    found = [text.find(s) for s in stop if s and s in text]
+    if found:
+        reasons[b], texts[b] = names.FINISH_STOP, text[:min(found)]
+    return bool(found)
 
 
 SHARED_MIN = 32  # shared uncached prompt tokens worth one extra single-row prefill

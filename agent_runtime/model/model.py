@@ -399,7 +399,8 @@ class MoEModel(nn.Module):
         a = self.args
         B, T = input_ids.shape
         past = cache.pos if cache is not None else 0
-        if past + T > a.max_position:
+        over = past + T > a.max_position       # columns past the window: left-padded rows'
+        if over and cache is None:             # positions may still fit (checked below)
             raise ValueError(f"{past + T} tokens exceed the context window ({a.max_position})")
         if cache is not None and past + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + T} tokens > cache length {cache.max_len}")
@@ -416,6 +417,9 @@ class MoEModel(nn.Module):
             else:
                 positions = valid.long().cumsum(-1) - 1
             positions = positions.clamp(min=0)
+        if over and (valid is None or int(positions.max()) >= a.max_position):
+            raise ValueError(f"{int(positions.max()) + 1} tokens exceed the context window "
+                             f"({a.max_position})")
         mask, causal = self._mask(B, T, past, valid, cache, input_ids.device)
 
         x = self.embed_tokens(input_ids)

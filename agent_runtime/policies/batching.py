@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from agent_runtime import names
 from agent_runtime.policies.base import Completion, batches, constrains
 
 
@@ -37,6 +38,7 @@ class _Call:
     on_text: Callable[[str], None] | None
     should_stop: Callable[[], bool] | None
     grammar: Any = None                        # a CallGrammar, where the policy takes one
+    paused: Any = None                         # where its paused row stopped (`pauses`)
     done: bool = False
     result: Completion | None = None
     error: BaseException | None = None
@@ -46,11 +48,12 @@ class _Call:
 class BatchStats:
     batches: int = 0
     calls: int = 0
+    pauses: int = 0                                    # rows paused for waiting calls
     sizes: list[int] = field(default_factory=list)     # rows per batch, in order
 
     @property
     def mean_size(self) -> float:
-        return self.calls / self.batches if self.batches else 0.0
+        return sum(self.sizes) / self.batches if self.batches else 0.0
 
 
 def shared(policy: Any, concurrency: int) -> Any:
@@ -63,12 +66,12 @@ class BatchingPolicy:
     """A thread-safe `Policy` whose concurrent `complete()` calls run as batches."""
 
     def __init__(self, policy: Any, max_batch: int = 16, gather_s: float = 0.005,
-                 max_wait_s: float = 0.05, idle_s: float = 0.5):
+                 max_wait_s: float = 0.05, idle_s: float = 0.5, yield_after_s: float = 0.05):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.policy = policy
         self.max_batch, self.gather_s, self.max_wait_s = max_batch, gather_s, max_wait_s
-        self.idle_s = idle_s
+        self.idle_s, self.yield_after_s = idle_s, yield_after_s
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._queue: list[_Call] = []
@@ -129,20 +132,37 @@ class BatchingPolicy:
         batch = [c for c in self._queue if c.max_new_tokens == first][:self.max_batch]
         self._queue = [c for c in self._queue if c not in batch]
         self.stats.batches += 1                    # counted as it starts: a caller whose row
-        self.stats.calls += len(batch)             # was handed over early may return (and
-        self.stats.sizes.append(len(batch))        # look) before the batch ends
+        self.stats.calls += sum(c.paused is None for c in batch)     # was handed over early
+        self.stats.sizes.append(len(batch))        # may return (and look) before it ends
         self._cond.release()
         try:
             self._decode(batch)
         finally:
             self._cond.acquire()
+            again = [c for c in batch if c.paused is not None and c.result is None
+                     and c.error is None]
+            self._queue[:0] = again                # paused rows go on first, in the next batch
+            self.stats.pauses += len(again)
             for c in batch:
-                c.done = True
+                c.done = c not in again
+
+    def _yielder(self, max_new_tokens: int | None) -> Callable[[], bool]:
+        """should_yield for a batch: once it has run `yield_after_s`, give way as soon as a
+        call that could join it (the same budget) is waiting. Its rows pause, and the next
+        batch holds them and the waiting calls (continuous batching: new calls no longer
+        wait for the longest row of the batch that was running when they came)."""
+        start = time.monotonic()
+
+        def should_yield() -> bool:
+            return (time.monotonic() - start >= self.yield_after_s
+                    and any(c.max_new_tokens == max_new_tokens for c in list(self._queue)))
+        return should_yield
 
     def _decode(self, batch: list[_Call]) -> None:
         try:
             held = constrains(self.policy)
-            if not batches(self.policy) or len(batch) == 1:
+            pausing = batches(self.policy) and getattr(self.policy, "pauses", False)
+            if not batches(self.policy) or (len(batch) == 1 and not pausing):
                 for c in batch:
                     try:
                         c.result = self.policy.complete(
@@ -159,13 +179,19 @@ class BatchingPolicy:
 
             early = {"on_complete": deliver} if getattr(self.policy, "delivers_early", False) \
                 else {}
+            if pausing:
+                early.update(should_yield=self._yielder(batch[0].max_new_tokens),
+                             resume=[c.paused for c in batch])
             results = self.policy.complete_many([c.messages for c in batch], [c.tools for c in batch],
                            max_new_tokens=batch[0].max_new_tokens,
                            on_text=[c.on_text for c in batch],
                            should_stop=[c.should_stop for c in batch],
                            **({"grammar": [c.grammar for c in batch]} if held else {}), **early)
             for c, r in zip(batch, results):
-                c.result = r
+                if r.finish_reason == names.FINISH_PAUSED:
+                    c.paused = r.meta["paused"]
+                else:
+                    c.result, c.paused = r, None
         except BaseException as exc:               # every caller in the batch sees it
             for c in batch:
                 if c.result is None and c.error is None:

@@ -45,6 +45,18 @@ class EngineConfig:
                                             # configured one) until one does not loop
 
 
+@dataclass
+class Paused:
+    """A call whose batch gave way to waiting calls (`complete_many(should_yield=)`), kept to
+    go on in a later batch (`complete_many(resume=)`): its prompt, what it generated so far,
+    its text stream and call-grammar matcher (both mid-way), and the weights it began on."""
+    prompt: list[int]
+    generation: Generation
+    stream: Any
+    matcher: Any
+    version: int
+
+
 class TokenBytes:
     """token id -> the bytes it decodes to, kept for the call grammar (which asks for
     thousands of tokens when a draw is refused); `first` [V]: each token's first byte (-1:
@@ -66,6 +78,7 @@ class EnginePolicy:
 
     accepts_grammar = True                  # complete(..., grammar=CallGrammar) (base.constrains)
     delivers_early = True                   # complete_many(..., on_complete=...) (BatchingPolicy)
+    pauses = True                           # complete_many(..., should_yield=, resume=) (same)
 
     def __init__(self, model: MoEModel, tokenizer: Any, template: Any, name: str,
                  config: EngineConfig | None = None, version: int = 0):
@@ -115,12 +128,11 @@ class EnginePolicy:
         return len(self.render(messages, tools))
 
     # -- generation ----------------------------------------------------------------------
-    def _params(self, max_new_tokens: int, prompt_len: int, **kw: Any) -> SamplingParams:
+    def _params(self, max_new_tokens: int, **kw: Any) -> SamplingParams:
+        """Sampling settings; each row's budget is also held to what its own prompt leaves of
+        the context window (`generate(window=)`)."""
         c = self.config
-        room = self.context_window - prompt_len
-        if room <= 0:
-            raise ValueError(f"prompt of {prompt_len} tokens fills the context window ({self.context_window})")
-        p = SamplingParams(max_new_tokens=min(max_new_tokens, room), temperature=c.temperature,
+        p = SamplingParams(max_new_tokens=max_new_tokens, temperature=c.temperature,
                            top_p=c.top_p, top_k=c.top_k, seed=c.seed, loop_span=c.loop_span,
                            stop_token_ids=self.stop_token_ids)
         return replace(p, **kw)
@@ -141,16 +153,23 @@ class EnginePolicy:
         should_stop = kw.pop("should_stop", None)
         row_should_stop = kw.pop("row_should_stop", None)
         grammars = kw.pop("grammar", None)
+        matchers = kw.pop("matchers", None)       # per row: a matcher already under way
         held = None
         if grammars is not None and any(g is not None for g in grammars):
             held = [g.matcher(self._token_table(), self.stop_token_ids) if g is not None else None
                     for g in grammars]
-        params = self._params(max_new_tokens, max(len(p) for p in prompts), **kw)
+        if matchers is not None and any(m is not None for m in matchers):
+            held = [m if m is not None else (held[i] if held else None)
+                    for i, m in enumerate(matchers)]
+        resume = kw.pop("resume", None)
+        should_yield = kw.pop("should_yield", None)
+        params = self._params(max_new_tokens, **kw)
         with self._lock:
             out = generate(self.model, prompts, params, decode=self.tokenizer.decode,
                            on_token=on_token, should_stop=should_stop,
                            row_should_stop=row_should_stop, prefix_cache=self.prefix_cache,
-                           constraints=held,
+                           constraints=held, resume=resume, should_yield=should_yield,
+                           window=self.context_window,
                            on_done=None if on_done is None else
                            lambda row, g: on_done(row, g, self.version))
             return out, self.version
@@ -168,14 +187,23 @@ class EnginePolicy:
                       on_text: Sequence[Callable[[str], None] | None] | None = None,
                       should_stop: Sequence[Callable[[], bool] | None] | None = None,
                       grammar: Sequence[Any] | None = None,
-                      on_complete: Callable[[int, Completion], None] | None = None
+                      on_complete: Callable[[int, Completion], None] | None = None,
+                      should_yield: Callable[[], bool] | None = None,
+                      resume: Sequence[Paused | None] | None = None
                       ) -> list[Completion]:
         """`complete` for several conversations in one batched generation (how a group of
         rollouts, or several agents sharing this policy, decode together). `tools`, `on_text`,
         `should_stop` and `grammar` are given per conversation; a row whose `should_stop()`
         turns true ends "cancelled" and the others go on. `on_complete(i, completion)` hands
         each conversation's completion over as soon as it is final (before the longest row
-        of the batch ends), so its agent can run its tools meanwhile."""
+        of the batch ends), so its agent can run its tools meanwhile.
+
+        Continuous batching (`BatchingPolicy`): once `should_yield()` turns true, the rows still
+        decoding end with finish reason "paused" and `meta["paused"]` (a `Paused`); passed back
+        as `resume[i]` with the same conversation, such a row goes on where it stopped (its
+        keys and values come from the prefix cache), unless the weights changed meanwhile:
+        then it starts again. A paused row is never handed to `on_complete`, and the loop
+        guard's hotter retries never pause."""
         n = len(conversations)
         if n == 0:
             return []
@@ -187,24 +215,40 @@ class EnginePolicy:
             raise ValueError(f"complete_many: {n} conversations but {len(tools)} tools, "
                              f"{len(on_text)} on_text, {len(should_stop)} should_stop and "
                              f"{len(grammar)} grammar entries")
-        prompts = [self.render(m, t) for m, t in zip(conversations, tools)]
+        resume = list(resume) if resume is not None else [None] * n
+        if len(resume) != n:
+            raise ValueError(f"complete_many: {n} conversations but {len(resume)} resume entries")
         skip = set(self.stop_token_ids)
-        streams = [_TextStream(self.tokenizer, skip, sink) for sink in on_text]
+        prompts, streams, seeds, matchers = [], [], [], []
+        for m, t, sink, state in zip(conversations, tools, on_text, resume):
+            if state is not None and state.version != self.version:
+                state.stream.restart("\n[the weights changed: generating again]\n")
+            going_on = state is not None and state.version == self.version
+            prompts.append(state.prompt if going_on else self.render(m, t))
+            streams.append(state.stream if state is not None
+                           else _TextStream(self.tokenizer, skip, sink))
+            seeds.append(state.generation if going_on else None)
+            matchers.append(state.matcher if going_on else None)
         n_new = max_new_tokens or self.config.max_new_tokens
         cancel = should_stop if any(should_stop) else None
         delivered: dict[int, Completion] = {}
 
         def done(i: int, gen: Generation, version: int, temperature: float) -> None:
             """Row i ended; hand it over unless the loop guard's retry will run it again."""
-            if on_complete is None or self._hotter(gen, temperature):
+            if (on_complete is None or gen.finish_reason == names.FINISH_PAUSED
+                    or self._hotter(gen, temperature)):
                 return
             delivered[i] = self._completion(prompts[i], gen, version, temperature, skip)
             on_complete(i, delivered[i])
 
         gens, version = self._generate(
-            prompts, n_new, on_token=lambda row, tok, lp: streams[row].push(tok),
-            row_should_stop=cancel, grammar=grammar,
+            [p + list(s.tokens) if s is not None else p for p, s in zip(prompts, seeds)], n_new,
+            on_token=lambda row, tok, lp: streams[row].push(tok),
+            row_should_stop=cancel, grammar=grammar, matchers=matchers,
+            resume=seeds if any(seeds) else None, should_yield=should_yield,
             on_done=lambda row, gen, v: done(row, gen, v, self.config.temperature))
+        paused = {i: Paused(prompts[i], g, streams[i], g.constraint, version)
+                  for i, g in enumerate(gens) if g.finish_reason == names.FINISH_PAUSED}
         versions, temps = [version] * n, [self.config.temperature] * n
         # Temperature fallback (as Whisper's decoder does): greedy decoding of a small model
         # falls into loops it would fall into again from the same prompt, so a call the loop
@@ -223,9 +267,12 @@ class EnginePolicy:
                                       on_done=lambda row, gen, v, t=t: done(redo[row], gen, v, t))
             for i, gen in zip(redo, again):
                 gens[i], versions[i], temps[i] = gen, v, t
-        return [delivered.get(i) or self._completion(prompt, gen, version, temperature, skip)
-                for i, (prompt, gen, version, temperature)
-                in enumerate(zip(prompts, gens, versions, temps))]
+        out = [delivered.get(i) or self._completion(prompt, gen, version, temperature, skip)
+               for i, (prompt, gen, version, temperature)
+               in enumerate(zip(prompts, gens, versions, temps))]
+        for i, state in paused.items():
+            out[i].meta["paused"] = state
+        return out
 
     def _hotter(self, gen: Generation, temperature: float) -> list[float]:
         """The temperatures a call decoded at `temperature` is sampled again at (the loop

@@ -251,3 +251,56 @@ def test_the_decoding_thread_ends_when_idle_and_the_next_call_starts_another():
     assert shared._decoder is None and not first.is_alive()
     assert shared.complete([{"role": "user", "content": "b"}]).text == "b"
     assert policy.calls == 2
+
+
+@pytest.fixture(scope="module")
+def long_calls(ckpt):
+    """Greedy calls that run to their budget (no loop guard), so a batch is still decoding
+    when another call arrives."""
+    return load_policy(str(ckpt), temperature=0.0, max_new_tokens=120, loop_span=0)
+
+
+def test_paused_rows_resumed_in_a_new_batch_give_what_one_call_gives(long_calls):
+    alone = [long_calls.complete(m) for m in CONVERSATIONS]
+    steps = {"n": 0}
+
+    def after_6_steps():
+        steps["n"] += 1
+        return steps["n"] > 6
+
+    sinks = [[], [], []]
+    first = long_calls.complete_many(CONVERSATIONS[:2], on_text=[s.append for s in sinks[:2]],
+                                     should_yield=after_6_steps)
+    assert [c.finish_reason for c in first] == ["paused", "paused"]
+    states = [c.meta["paused"] for c in first]
+    assert all(len(s.generation.tokens) == 7 for s in states)
+    again = long_calls.complete_many(CONVERSATIONS, on_text=[s.append for s in sinks],
+                                     resume=states + [None])
+    for a, b, chunks in zip(alone, again, sinks):
+        same_completion(a, b)
+        assert "".join(chunks) == b.text
+
+
+def test_a_batch_gives_way_to_a_call_that_arrives_while_it_decodes(long_calls):
+    alone = [long_calls.complete(m) for m in CONVERSATIONS[:2]]
+    shared = BatchingPolicy(long_calls, max_batch=8, gather_s=0.001, max_wait_s=0.001,
+                            yield_after_s=0.0)
+    got, streamed = {}, []
+    started = threading.Event()
+
+    def first():
+        def sink(text):
+            streamed.append(text)
+            started.set()
+        got[0] = shared.complete(CONVERSATIONS[0], on_text=sink)
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert started.wait(60)                        # the first call's batch is decoding
+    got[1] = shared.complete(CONVERSATIONS[1])     # it pauses; both go on in one batch
+    a.join(60)
+    same_completion(got[0], alone[0])
+    same_completion(got[1], alone[1])
+    assert "".join(streamed) == got[0].text
+    assert shared.stats.pauses >= 1 and shared.stats.calls == 2
+    assert max(shared.stats.sizes) == 2

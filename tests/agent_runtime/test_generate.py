@@ -216,3 +216,76 @@ def test_rows_that_end_leave_the_batch_and_the_others_decode_as_alone(model, mon
         assert max(abs(a - b) for a, b in zip(x.logprobs, single.logprobs)) < 1e-4
         assert torch.equal(x.routes, single.routes)
     assert len(g[0].tokens) == 3 and len(g[0].routes) == len(ps[0]) + 3 - 1
+
+
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_a_paused_batch_resumed_gives_what_one_uninterrupted_call_gives(model, monkeypatch, fast):
+    """Rows paused after 5 steps (their keys and values in the prefix cache), then resumed
+    in a new batch beside a fresh prompt: tokens, logprobs, routes and prompt lengths are
+    those of one call straight through, and the resumed rows feed one token each."""
+    from agent_runtime.model.prefix_cache import PrefixCache
+    monkeypatch.setenv("APPRENTICE_FAST_DECODE", fast)
+    ps = prompts(6, 9, 4)
+    sp = SamplingParams(max_new_tokens=14)
+    whole = generate(model, ps, sp)
+    cache = PrefixCache(64 * 2**20)
+    count = {"n": 0}
+
+    def tick(row, token, logprob):
+        count["n"] += row == 0
+
+    first = generate(model, ps[:2], sp, on_token=tick, prefix_cache=cache,
+                     should_yield=lambda: count["n"] >= 5)
+    assert [g.finish_reason for g in first] == ["paused", "paused"]
+    assert [len(g.tokens) for g in first] == [5, 5]
+    fresh = ps[2]
+    again = generate(model, [ps[0] + first[0].tokens, ps[1] + first[1].tokens, fresh], sp,
+                     prefix_cache=cache, resume=[first[0], first[1], None])
+    for b in range(3):
+        assert again[b].tokens == whole[b].tokens
+        assert max(abs(x - y) for x, y in zip(again[b].logprobs, whole[b].logprobs)) < 1e-4
+        assert torch.equal(again[b].routes, whole[b].routes)
+        assert again[b].prompt_len == len(ps[b]) and again[b].finish_reason == "length"
+    with pytest.raises(ValueError, match="resume"):
+        generate(model, [ps[0]], sp, resume=[first[0]])     # the tokens are not in the prompt
+
+
+def test_with_a_window_each_row_gets_the_budget_it_would_get_alone(model):
+    """A long prompt no longer shortens the other rows' budgets: each row's is what its own
+    prompt leaves of the window."""
+    ps = prompts(6, 40)
+    sp = SamplingParams(max_new_tokens=12)
+    out = generate(model, ps, sp, window=45)
+    assert [len(g.tokens) for g in out] == [12, 5]
+    assert [g.finish_reason for g in out] == ["length", "length"]
+    assert out[0].tokens == generate(model, [ps[0]], sp)[0].tokens
+    with pytest.raises(ValueError, match="fills the context window"):
+        generate(model, prompts(45), sp, window=45)
+
+
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_a_resumed_row_near_the_window_beside_a_fresh_one(model, monkeypatch, fast):
+    """Row 0 (a prompt 10 tokens short of the window) paused after 3 tokens, resumed beside a
+    fresh short prompt with its whole budget: the padded layout has more columns than the
+    window, every row's own positions fit it, and both rows get what they get alone."""
+    from agent_runtime.model.prefix_cache import PrefixCache
+    monkeypatch.setenv("APPRENTICE_FAST_DECODE", fast)
+    W = model.args.max_position
+    long, short = prompts(W - 10, 5)
+    sp = SamplingParams(max_new_tokens=12)
+    alone = [generate(model, [x], sp, window=W)[0] for x in (long, short)]
+    cache = PrefixCache(256 * 2**20)
+    n = {"steps": 0}
+
+    def after_3():
+        n["steps"] += 1
+        return n["steps"] >= 3
+
+    first = generate(model, [long], sp, prefix_cache=cache, should_yield=after_3, window=W)[0]
+    assert first.finish_reason == "paused" and len(first.tokens) == 3
+    out = generate(model, [long + first.tokens, short], sp, prefix_cache=cache,
+                   resume=[first, None], window=W)
+    for got, want in zip(out, alone):
+        assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
+        assert torch.equal(got.routes, want.routes)
+    assert [len(g.tokens) for g in out] == [10, 12]
