@@ -7,7 +7,10 @@ tasks with the engine policy, greedy, and times the model calls:
 
   plain      one episode after another, prefix cache off        (the reference)
   cached     one episode after another, prefix cache on
+  static     the same, but a running batch never gives way to waiting calls (they wait for
+             its longest row: batching as it was before continuous batching)
   batched    all episodes at once on threads through a BatchingPolicy, prefix cache on
+             (continuous batching: a batch pauses for calls that arrive while it decodes)
 
     python bench/agent_turns.py --model .recipe/default/sft/model
     python bench/agent_turns.py --model default --episodes 8 --steps 6 --tokens 128
@@ -17,7 +20,7 @@ default shape; a random model rarely stops early, so its calls run to --tokens) 
 Each setting runs the same tasks; greedy outputs can differ slightly between settings
 (reused keys were computed by decode steps, a fresh prefill computes them together), so the
 tokens generated are printed next to the times. The last line is episodes per hour of
-the batched setting over the plain one.
+the batched setting over the plain one (and over the static one, when both ran).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Timed:
         return out
 
     def _count(self, completions, seconds: float) -> None:
+        completions = [c for c in completions if c.finish_reason != "paused"]   # goes on later
         with self.lock:
             self.seconds += seconds
             self.calls += len(completions)
@@ -76,7 +80,10 @@ def run_setting(name: str, path: Path, tasks: list, a, home: Path) -> dict:
     policy = load_policy(str(path), temperature=0.0, max_new_tokens=a.tokens,
                          prefix_cache_mb=0 if name == "plain" else a.cache_mb)
     timed = Timed(policy)
-    shared = BatchingPolicy(timed, max_batch=len(tasks)) if name == "batched" else None
+    shared = None
+    if name in ("batched", "static"):
+        shared = BatchingPolicy(timed, max_batch=len(tasks),
+                                yield_after_s=float("inf") if name == "static" else 0.05)
     with SessionStore(home / name) as store:
         t = time.perf_counter()
         eps = run_episodes(lambda _task: shared or timed, tasks, store,
@@ -89,6 +96,7 @@ def run_setting(name: str, path: Path, tasks: list, a, home: Path) -> dict:
             "prompt_tokens": timed.prompt_tokens, "new_tokens": timed.new_tokens,
             "reused_tokens": cache.reused_tokens,
             "batches": shared.stats.batches if shared else timed.calls,
+            "pauses": shared.stats.pauses if shared else 0,
             "passed": sum(e.passed for e in eps)}
 
 
@@ -100,7 +108,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="max new tokens per call")
     ap.add_argument("--cache-mb", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    ap.add_argument("--settings", default="plain,cached,batched")
+    ap.add_argument("--settings", default="plain,cached,static,batched")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -113,19 +121,23 @@ def main() -> None:
               f"cpus {os.cpu_count()}")
         rows = [run_setting(s, path, tasks, a, Path(tmp)) for s in a.settings.split(",")]
     print(f"{'setting':>8} {'wall s':>7} {'calls':>5} {'model s':>7} {'s/call':>6} "
-          f"{'prompt tok/call':>15} {'reused':>6} {'new tok':>7} {'batches':>7} {'passed':>6}")
+          f"{'prompt tok/call':>15} {'reused':>6} {'new tok':>7} {'batches':>7} {'pauses':>6} "
+          f"{'passed':>6}")
     for r in rows:
         print(f"{r['setting']:>8} {r['wall_s']:7.1f} {r['calls']:5d} {r['model_s']:7.1f} "
               f"{r['model_s'] / max(r['calls'], 1):6.2f} "
               f"{r['prompt_tokens'] / max(r['calls'], 1):15.0f} "
               f"{r['reused_tokens'] / max(r['prompt_tokens'], 1):6.0%} {r['new_tokens']:7d} "
-              f"{r['batches']:7d} {r['passed']:6d}")
+              f"{r['batches']:7d} {r['pauses']:6d} {r['passed']:6d}")
     by = {r["setting"]: r for r in rows}
     if "plain" in by:
-        for name in ("cached", "batched"):
+        for name in ("cached", "static", "batched"):
             if name in by:
                 print(f"{name} / plain: {by['plain']['wall_s'] / by[name]['wall_s']:.2f}x "
                       f"episodes per hour")
+    if "static" in by and "batched" in by:
+        print(f"batched (continuous) / static: "
+              f"{by['static']['wall_s'] / by['batched']['wall_s']:.2f}x episodes per hour")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
              constraints: Sequence[object | None] | None = None,
              on_done: Callable[[int, Generation], None] | None = None,
              resume: Sequence[Generation | None] | None = None,
-             should_yield: Callable[[], bool] | None = None,
+             should_yield: Callable[[int], bool] | None = None,
              window: int | None = None) -> list[Generation]:
     """Generate for a batch of token-id prompts. `on_token(row, token, logprob)` streams.
     `should_stop()` cancels every row; `row_should_stop[b]()` cancels row b alone (its
@@ -223,7 +223,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     as soon as that row ends, while the others go on (the same object is returned at the
     end).
 
-    Continuous batching: when `should_yield()` turns true between two steps, every row still
+    Continuous batching: when `should_yield(rows)` (rows: how many still decode) turns true
+    between two steps, every row still
     decoding ends "paused" (its keys and values stored in `prefix_cache`), and a later call
     goes on with it: `resume[b]` is row b's paused `Generation` and `prompts[b]` its prompt
     followed by that generation's tokens. The row keeps its tokens, logprobs and budget
@@ -409,7 +410,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             live = [live[j] for j in order]
             slot = {b: j for j, b in enumerate(live)}
             tok = tok[torch.tensor(order)]
-        if should_yield is not None and should_yield():
+        if should_yield is not None and should_yield(len(live) if DROP_ENDED else
+                                                     sum(reasons[b] is None for b in live)):
             for b in live:                            # their last token is fed when resumed
                 if reasons[b] is None:
                     reasons[b] = names.FINISH_PAUSED

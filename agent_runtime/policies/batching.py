@@ -146,16 +146,20 @@ class BatchingPolicy:
             for c in batch:
                 c.done = c not in again
 
-    def _yielder(self, max_new_tokens: int | None) -> Callable[[], bool]:
-        """should_yield for a batch: once it has run `yield_after_s`, give way as soon as a
-        call that could join it (the same budget) is waiting. Its rows pause, and the next
-        batch holds them and the waiting calls (continuous batching: new calls no longer
-        wait for the longest row of the batch that was running when they came)."""
+    def _yielder(self, max_new_tokens: int | None) -> Callable[[int], bool]:
+        """should_yield for a batch: once it has run `yield_after_s`, give way when at least
+        as many calls that could join it (the same budget) wait as it has rows still
+        decoding. Its rows pause, and the next batch holds them and the waiting calls
+        (continuous batching: a call no longer waits for the longest row of the batch that
+        was running when it came). A pause costs each row a copy of its keys and values and
+        one token's prefill, so a batch gives way only when it would at least double."""
         start = time.monotonic()
 
-        def should_yield() -> bool:
-            return (time.monotonic() - start >= self.yield_after_s
-                    and any(c.max_new_tokens == max_new_tokens for c in list(self._queue)))
+        def should_yield(rows: int) -> bool:
+            if time.monotonic() - start < self.yield_after_s:
+                return False
+            waiting = sum(c.max_new_tokens == max_new_tokens for c in list(self._queue))
+            return waiting >= max(rows, 1) and rows + waiting <= self.max_batch
         return should_yield
 
     def _decode(self, batch: list[_Call]) -> None:

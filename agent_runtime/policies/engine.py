@@ -188,7 +188,7 @@ class EnginePolicy:
                       should_stop: Sequence[Callable[[], bool] | None] | None = None,
                       grammar: Sequence[Any] | None = None,
                       on_complete: Callable[[int, Completion], None] | None = None,
-                      should_yield: Callable[[], bool] | None = None,
+                      should_yield: Callable[[int], bool] | None = None,
                       resume: Sequence[Paused | None] | None = None
                       ) -> list[Completion]:
         """`complete` for several conversations in one batched generation (how a group of
@@ -198,7 +198,7 @@ class EnginePolicy:
         each conversation's completion over as soon as it is final (before the longest row
         of the batch ends), so its agent can run its tools meanwhile.
 
-        Continuous batching (`BatchingPolicy`): once `should_yield()` turns true, the rows still
+        Continuous batching (`BatchingPolicy`): once `should_yield(rows)` turns true, the rows still
         decoding end with finish reason "paused" and `meta["paused"]` (a `Paused`); passed back
         as `resume[i]` with the same conversation, such a row goes on where it stopped (its
         keys and values come from the prefix cache), unless the weights changed meanwhile:

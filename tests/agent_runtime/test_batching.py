@@ -264,7 +264,7 @@ def test_paused_rows_resumed_in_a_new_batch_give_what_one_call_gives(long_calls)
     alone = [long_calls.complete(m) for m in CONVERSATIONS]
     steps = {"n": 0}
 
-    def after_6_steps():
+    def after_6_steps(rows):
         steps["n"] += 1
         return steps["n"] > 6
 

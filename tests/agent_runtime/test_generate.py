@@ -235,7 +235,7 @@ def test_a_paused_batch_resumed_gives_what_one_uninterrupted_call_gives(model, m
         count["n"] += row == 0
 
     first = generate(model, ps[:2], sp, on_token=tick, prefix_cache=cache,
-                     should_yield=lambda: count["n"] >= 5)
+                     should_yield=lambda rows: count["n"] >= 5)
     assert [g.finish_reason for g in first] == ["paused", "paused"]
     assert [len(g.tokens) for g in first] == [5, 5]
     fresh = ps[2]
@@ -277,7 +277,7 @@ def test_a_resumed_row_near_the_window_beside_a_fresh_one(model, monkeypatch, fa
     cache = PrefixCache(256 * 2**20)
     n = {"steps": 0}
 
-    def after_3():
+    def after_3(rows):
         n["steps"] += 1
         return n["steps"] >= 3
 
