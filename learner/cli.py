@@ -390,14 +390,17 @@ def report(run_dir: Path | None, out: Path | None) -> None:
 @click.option("--ship", is_flag=True,
               help="Then make the newest model the package's default model "
                    "(agent_runtime/assets/default, with recipe.json: what made it).")
+@click.option("--set", "settings", multiple=True, metavar="A.B=V",
+              help="One field of the recipe's config, e.g. grpo.lr=1e-4 or "
+                   "sft.train.max_seconds=3300 (repeatable; applied last).")
 def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
            eval_n: int | None, processes: int | None, max_minutes: float | None,
-           ship: bool) -> None:
+           ship: bool, settings: tuple[str, ...]) -> None:
     """Make a default policy from scratch: tokenizer, pre-training, SFT, RFT, GRPO, eval."""
     from agent_runtime.store import default_home
     from learner.eval import format_comparison
     from learner.recipe import RECIPES, STAGES, run_recipe
-    from learner.recipe.stages import MissingStage, check_stages
+    from learner.recipe.stages import MissingStage, check_stages, override
     config = RECIPES[name]()
     chosen = tuple(_families(stages) or STAGES)
     try:
@@ -412,6 +415,11 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
     if max_minutes is not None:
         config.pretrain.train.max_seconds = config.sft.train.max_seconds = 60 * max_minutes
         config.grpo.max_seconds = 60 * max_minutes
+    for setting in settings:
+        try:
+            override(config, setting)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--set") from None
     out_dir = out_dir or Path(default_home()) / "recipes" / name
     try:
         results = run_recipe(out_dir, config, chosen, log=click.echo)

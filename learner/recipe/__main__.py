@@ -2,6 +2,7 @@
 
     python -m learner.recipe default --out DIR [--stages pretrain,sft] [--budgets 150,70,45,50]
                                      [--export DIR2] [--workers N] [--processes N]
+                                     [--set grpo.lr=1e-4 --set grpo.max_skipped=4 ...]
 
 For machines where the package is on PYTHONPATH but not installed (a rented GPU box).
 `--budgets` sets the wall-time caps of pretrain, sft, grpo (seconds) and the per-process
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from learner.recipe import RECIPES, STAGES, run_recipe
 from learner.recipe.ship import newest_model
-from learner.recipe.stages import MissingStage, check_stages
+from learner.recipe.stages import MissingStage, check_stages, override
 
 
 def export(out: Path, dest: Path) -> list[Path]:
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, help="GRPO rollout workers (policy copies)")
     ap.add_argument("--processes", type=int,
                     help="processes collecting oracle episodes and running eval episodes")
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="A.B=V",
+                    help="one field of the recipe's config, e.g. grpo.lr=1e-4 (repeatable)")
     args = ap.parse_args()
     config = RECIPES[args.name]()
     config.pretrain.device = config.sft.device = config.grpo.device = config.eval.device = args.device
@@ -64,6 +67,11 @@ def main() -> None:
         config.grpo.workers = args.workers
     if args.processes:
         config.sft.workers = config.eval.processes = args.processes
+    for setting in args.settings:
+        try:
+            override(config, setting)
+        except ValueError as exc:
+            ap.error(str(exc))
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     try:
         check_stages(stages)

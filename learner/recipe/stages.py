@@ -74,6 +74,44 @@ class RecipeConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+def override(config: RecipeConfig, setting: str) -> None:
+    """Set one field of `config` from "SECTION.FIELD=VALUE" (dotted to any depth, e.g.
+    "grpo.lr=1e-4", "sft.train.max_seconds=3300", "grpo.trainable=\\.mlp\\.experts\\.";
+    what `--set` takes, as Hydra's overrides do in veRL). The value is read as the field's
+    current type: numbers, true/false, comma-separated tuples, None for "none". ValueError
+    names a field that does not exist or a value that does not fit."""
+    import dataclasses
+    path, sep, raw = setting.partition("=")
+    names = path.strip().split(".")
+    if not sep or not all(names):
+        raise ValueError(f"--set takes SECTION.FIELD=VALUE, got {setting!r}")
+    target = config
+    for name in names[:-1]:
+        target = getattr(target, name, None)
+        if not dataclasses.is_dataclass(target):
+            raise ValueError(f"{path}: {name!r} is not a section of the recipe's config")
+    field_names = {f.name for f in dataclasses.fields(target)}
+    if names[-1] not in field_names:
+        raise ValueError(f"{path}: no field {names[-1]!r} (fields: {', '.join(sorted(field_names))})")
+    current, raw = getattr(target, names[-1]), raw.strip()
+    try:
+        if raw.lower() == "none":
+            value = None
+        elif isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            value = raw.lower() in ("true", "1")
+        elif isinstance(current, (tuple, list)):
+            value = type(current)(x.strip() for x in raw.split(",") if x.strip())
+        elif current is None:
+            value = json.loads(raw) if raw[:1] in "0123456789-[{\"" else raw
+        else:
+            value = type(current)(raw)
+    except ValueError:
+        raise ValueError(f"{path}: {raw!r} is not a valid {type(current).__name__}") from None
+    setattr(target, names[-1], value)
+
+
 def stage_done(out: Path, stage: str) -> dict | None:
     path = out / stage / "metrics.json"
     return json.loads(path.read_text()) if path.exists() else None

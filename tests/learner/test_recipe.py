@@ -822,3 +822,30 @@ def test_the_grpo_stage_passes_its_settings_to_the_learner(tmp_path):
     assert run.trainer.trainable == TRAINABLE and run.trainer.optim.lr == 1e-4
     assert run.trainer.router_replay and run.pipeline.torch_threads == 1
     assert grpo_run_config(GRPOStageConfig(), tmp_path, "cpu").trainer.trainable == ()
+
+
+def test_set_overrides_one_field_of_the_recipe_by_its_type():
+    from learner.recipe import default_recipe
+    from learner.recipe.stages import override
+    c = default_recipe()
+    for setting in ("grpo.lr=1e-4", "grpo.max_skipped=4", "sft.train.max_seconds=3300",
+                    "grpo.curriculum=false", "grpo.trainable=\\.mlp\\.experts\\.,lm_head",
+                    "grpo.task_seed=none"):
+        override(c, setting)
+    assert c.grpo.lr == 1e-4 and c.grpo.max_skipped == 4 and c.grpo.curriculum is False
+    assert c.sft.train.max_seconds == 3300.0 and c.grpo.task_seed is None
+    assert c.grpo.trainable == ("\\.mlp\\.experts\\.", "lm_head")
+    for bad, says in (("grpo.lrr=1", "no field 'lrr'"), ("gpro.lr=1", "not a section"),
+                      ("grpo.steps=many", "not a valid int"), ("grpo.lr", "SECTION.FIELD=VALUE"),
+                      ("grpo.curriculum=maybe", "not a valid bool")):
+        with pytest.raises(ValueError, match=says):
+            override(c, bad)
+
+
+def test_learn_recipe_rejects_a_bad_set_before_running_anything(tmp_path):
+    from click.testing import CliRunner
+    from learner.cli import learn
+    out = CliRunner().invoke(learn, ["recipe", "toy", "--out", str(tmp_path / "r"),
+                                     "--set", "grpo.nope=1"])
+    assert out.exit_code != 0 and "no field 'nope'" in out.output
+    assert not (tmp_path / "r").exists()
