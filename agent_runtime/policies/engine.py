@@ -21,6 +21,7 @@ import torch
 from agent_runtime import names
 from agent_runtime.model import MoEModel, load_model, load_tokenizer
 from agent_runtime.model.generate import Generation, SamplingParams, generate
+from agent_runtime.model.heap import trim
 from agent_runtime.model.prefix_cache import PrefixCache
 from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
 from agent_runtime.policies.base import Completion, resolve_model_path
@@ -172,6 +173,7 @@ class EnginePolicy:
                            window=self.context_window,
                            on_done=None if on_done is None else
                            lambda row, g: on_done(row, g, self.version))
+            trim()                                 # the batch's buffers back to the OS
             return out, self.version
 
     def complete(self, messages: list[dict], tools: list[dict] | None = None, *,
