@@ -39,7 +39,7 @@ from agent_runtime.policies.base import batches
 from agent_runtime.policies.following import FollowingPolicy
 from learner.config import RolloutConfig, RunConfig, parse_task_spec
 from learner.curriculum import FamilyCurriculum
-from learner.grpo import Episode, Group, group_samples
+from learner.grpo import Episode, Group, group_advantages, group_samples
 from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -275,8 +275,8 @@ class Pipeline:
         """Whether `group` is skipped rather than trained: all its episodes got one reward
         (zero advantage everywhere) and fewer than `max_skipped` were skipped for this step.
         A skipped group still counts for the curriculum."""
-        rewards = {e.reward for e in group.episodes}
-        if len(rewards) > 1 or self._skipped >= self.config.pipeline.max_skipped:
+        if (group_advantages(group.rewards) is not None
+                or self._skipped >= self.config.pipeline.max_skipped):
             return False
         self._record(group)
         self._skipped += 1

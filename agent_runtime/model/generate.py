@@ -245,9 +245,10 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     lens = [len(x) for x in prompts]
     if min(lens) == 0:
         raise ValueError("every prompt needs at least one token")
-    seeds = [list(r.tokens) if r is not None else [] for r in (resume or [None] * B)]
-    if len(seeds) != B:
+    resumed = list(resume) if resume is not None else [None] * B
+    if len(resumed) != B:
         raise ValueError("resume: one paused generation (or None) per prompt")
+    seeds = [list(r.tokens) if r is not None else [] for r in resumed]
     seeded = [len(x) for x in seeds]
     own = [lens[b] - seeded[b] for b in range(B)]     # each row's prompt, without its tokens
     if window is None:
@@ -311,8 +312,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     if out.routes is not None:
         route_chunks.append((out.routes.to(_route_dtype(model)).cpu(), slot))
     tokens: list[list[int]] = seeds                   # a resumed row's start with its own
-    logprobs: list[list[float]] = [list(r.logprobs) if r is not None else []
-                                   for r in (resume or [None] * B)]
+    logprobs: list[list[float]] = [list(r.logprobs) if r is not None else [] for r in resumed]
     reasons: list[str | None] = [None] * B
     texts: list[str | None] = [None] * B
     stop_ids = set(p.stop_token_ids)
@@ -322,8 +322,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             for t in seeds[b]:
                 guards[b].push(t)
     held = list(constraints) if constraints is not None and any(constraints) else None
-    forced: list[list[int]] = [list(r.forced or []) if r is not None else []
-                               for r in (resume or [None] * B)]
+    forced: list[list[int]] = [list(r.forced or []) if r is not None else [] for r in resumed]
     fast = stepper(model)                             # the same step in C++, when it can
     done: list[Generation | None] = [None] * B        # rows that ended, with their results
     live = list(range(B))                             # rows still decoding, in cache order
@@ -390,8 +389,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                 reasons[b] = names.FINISH_EOS
             elif guards is not None and guards[b].push(tok_l[j]):
                 reasons[b] = names.FINISH_LOOP
-            elif p.stop and _stopped(decode(tokens[b]), p.stop, texts, reasons, b):
-                pass
+            elif p.stop and (cut := _stop_at(text := decode(tokens[b]), p.stop)) is not None:
+                reasons[b], texts[b] = names.FINISH_STOP, text[:cut]
             elif len(tokens[b]) == budgets[b]:
                 reasons[b] = names.FINISH_LENGTH
         if all(r is not None for r in reasons) or step == steps - 1:
@@ -410,8 +409,7 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
             live = [live[j] for j in order]
             slot = {b: j for j, b in enumerate(live)}
             tok = tok[torch.tensor(order)]
-        if should_yield is not None and should_yield(len(live) if DROP_ENDED else
-                                                     sum(reasons[b] is None for b in live)):
+        if should_yield is not None and should_yield(sum(reasons[b] is None for b in live)):
             for b in live:                            # their last token is fed when resumed
                 if reasons[b] is None:
                     reasons[b] = names.FINISH_PAUSED
@@ -422,17 +420,15 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     results = [done[b] or finish(b) for b in range(B)]
     if on_done is not None:
         for b in range(B):
-            if b in slot and done[b] is None:
+            if done[b] is None:
                 on_done(b, results[b])
     return results
 
 
-def _stopped(text: str, stop: Sequence[str], texts: list, reasons: list, b: int) -> bool:
-    """Whether row b's `text` holds a stop string (then ended there, "stop")."""
+def _stop_at(text: str, stop: Sequence[str]) -> int | None:
+    """Where the first of the stop strings `text` holds begins (None: it holds none)."""
     found = [text.find(s) for s in stop if s and s in text]
-    if found:
-        reasons[b], texts[b] = names.FINISH_STOP, text[:min(found)]
-    return bool(found)
+    return min(found) if found else None
 
 
 SHARED_MIN = 32  # shared uncached prompt tokens worth one extra single-row prefill

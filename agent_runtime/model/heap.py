@@ -29,9 +29,9 @@ _ok: bool | None = None
 _last = float("-inf")
 
 
-def trim(force: bool = False) -> bool:
+def trim() -> bool:
     """Return the heap's free pages to the OS (glibc's malloc_trim) unless it was done less
-    than `INTERVAL_S` ago (`force`: now); whether this process can."""
+    than `INTERVAL_S` ago; whether this process can."""
     global _libc, _ok, _last
     if _ok is None:
         _ok = False
@@ -42,7 +42,7 @@ def trim(force: bool = False) -> bool:
                 _ok = True
             except (OSError, AttributeError):    # not glibc
                 pass
-    if _ok and (force or time.monotonic() - _last >= INTERVAL_S):
+    if _ok and time.monotonic() - _last >= INTERVAL_S:
         _libc.malloc_trim(0)
         _last = time.monotonic()
     return bool(_ok)

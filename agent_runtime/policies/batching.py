@@ -87,9 +87,7 @@ class BatchingPolicy:
         with self._cond:
             self._queue.append(call)
             if self._decoder is None:
-                self._decoder = threading.Thread(target=self._serve, daemon=True,
-                                                 name="apprentice-batching")
-                self._decoder.start()
+                self._start_decoder()
             self._cond.notify_all()
             while not call.done:
                 self._cond.wait()
@@ -112,10 +110,14 @@ class BatchingPolicy:
             finally:
                 self._decoder = None
                 if self._queue:                    # it died of an error: the waiting calls
-                    self._decoder = threading.Thread(target=self._serve, daemon=True,
-                                                     name="apprentice-batching")
-                    self._decoder.start()          # get another
+                    self._start_decoder()          # get another
                 self._cond.notify_all()
+
+    def _start_decoder(self) -> None:
+        """Start the decoding thread (called holding the lock, when none runs)."""
+        self._decoder = threading.Thread(target=self._serve, daemon=True,
+                                         name="apprentice-batching")
+        self._decoder.start()
 
     def _lead(self) -> None:
         """Gather, take one batch off the queue and decode it (called holding the lock)."""

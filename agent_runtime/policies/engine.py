@@ -49,12 +49,12 @@ class EngineConfig:
 @dataclass
 class Paused:
     """A call whose batch gave way to waiting calls (`complete_many(should_yield=)`), kept to
-    go on in a later batch (`complete_many(resume=)`): its prompt, what it generated so far,
-    its text stream and call-grammar matcher (both mid-way), and the weights it began on."""
+    go on in a later batch (`complete_many(resume=)`): its prompt, what it generated so far
+    (with its call-grammar matcher, mid-way: `Generation.constraint`), its text stream, and
+    the weights it began on."""
     prompt: list[int]
     generation: Generation
     stream: Any
-    matcher: Any
     version: int
 
 
@@ -221,16 +221,15 @@ class EnginePolicy:
         if len(resume) != n:
             raise ValueError(f"complete_many: {n} conversations but {len(resume)} resume entries")
         skip = set(self.stop_token_ids)
-        prompts, streams, seeds, matchers = [], [], [], []
+        prompts, streams, seeds = [], [], []
         for m, t, sink, state in zip(conversations, tools, on_text, resume):
-            if state is not None and state.version != self.version:
-                state.stream.restart("\n[the weights changed: generating again]\n")
             going_on = state is not None and state.version == self.version
+            if state is not None and not going_on:
+                state.stream.restart("\n[the weights changed: generating again]\n")
             prompts.append(state.prompt if going_on else self.render(m, t))
             streams.append(state.stream if state is not None
                            else _TextStream(self.tokenizer, skip, sink))
             seeds.append(state.generation if going_on else None)
-            matchers.append(state.matcher if going_on else None)
         n_new = max_new_tokens or self.config.max_new_tokens
         cancel = should_stop if any(should_stop) else None
         delivered: dict[int, Completion] = {}
@@ -246,10 +245,11 @@ class EnginePolicy:
         gens, version = self._generate(
             [p + list(s.tokens) if s is not None else p for p, s in zip(prompts, seeds)], n_new,
             on_token=lambda row, tok, lp: streams[row].push(tok),
-            row_should_stop=cancel, grammar=grammar, matchers=matchers,
+            row_should_stop=cancel, grammar=grammar,
+            matchers=[s.constraint if s is not None else None for s in seeds],
             resume=seeds if any(seeds) else None, should_yield=should_yield,
             on_done=lambda row, gen, v: done(row, gen, v, self.config.temperature))
-        paused = {i: Paused(prompts[i], g, streams[i], g.constraint, version)
+        paused = {i: Paused(prompts[i], g, streams[i], version)
                   for i, g in enumerate(gens) if g.finish_reason == names.FINISH_PAUSED}
         versions, temps = [version] * n, [self.config.temperature] * n
         # Temperature fallback (as Whisper's decoder does): greedy decoding of a small model
