@@ -8,7 +8,7 @@ import torch
 
 from agent_runtime.model import load_model
 from agent_runtime.model.generate import (LoopGuard, SamplingParams, _draw, _filter_logprobs,
-                                          generate)
+                                          generate, prefill_groups)
 from tiny_checkpoints import VOCAB, save_hf_checkpoint
 
 
@@ -250,6 +250,44 @@ def test_a_paused_batch_resumed_gives_what_one_uninterrupted_call_gives(model, m
         generate(model, [ps[0]], sp, resume=[first[0]])     # the tokens are not in the prompt
 
 
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_a_ragged_prefill_runs_in_groups_and_each_row_gets_what_it_gets_alone(model, monkeypatch,
+                                                                              fast):
+    """Rows 0 and 3 reuse 40 cached tokens, row 0 then feeds 60 and the others 3-5: one padded
+    forward would compute 4 x 60 tokens over 40 cached columns for every row. Row 0 prefills
+    alone and the three short rows together instead (over their own cached columns), and
+    every row decodes what it decodes in a batch of one (tokens, logprobs, routes)."""
+    from agent_runtime.model.prefix_cache import PrefixCache
+    monkeypatch.setenv("APPRENTICE_FAST_DECODE", fast)
+    head, long, *short = prompts(40, 60, 4, 5, 3, seed=3)
+    ps = [head + long, short[0], short[1], head + short[2]]
+    sp = SamplingParams(max_new_tokens=10)
+
+    def warm():                                  # a cache holding `head` (its next token aside)
+        cache = PrefixCache(64 * 2**20)
+        generate(model, [head], SamplingParams(max_new_tokens=1), prefix_cache=cache)
+        return cache
+
+    shapes = []
+    forward = model.forward
+
+    def spy(input_ids, *a, **kw):
+        shapes.append(tuple(input_ids.shape))
+        return forward(input_ids, *a, **kw)
+
+    cache = warm()
+    monkeypatch.setattr(model, "forward", spy)
+    batch = generate(model, ps, sp, prefix_cache=cache)
+    monkeypatch.setattr(model, "forward", forward)
+    assert shapes[:2] == [(1, 60), (3, 5)], shapes
+    for p, g in zip(ps, batch):
+        single = generate(model, [p], sp, prefix_cache=warm())[0]
+        assert g.tokens == single.tokens
+        assert max(abs(a - b) for a, b in zip(g.logprobs, single.logprobs)) < 1e-4
+        assert torch.equal(g.routes, single.routes)
+        assert len(g.routes) == len(p) + len(g.tokens) - 1
+
+
 def test_with_a_window_each_row_gets_the_budget_it_would_get_alone(model):
     """A long prompt no longer shortens the other rows' budgets: each row's is what its own
     prompt leaves of the window."""
@@ -289,3 +327,11 @@ def test_a_resumed_row_near_the_window_beside_a_fresh_one(model, monkeypatch, fa
         assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
         assert torch.equal(got.routes, want.routes)
     assert [len(g.tokens) for g in out] == [10, 12]
+
+
+def test_prefill_groups_cut_where_padding_and_forwards_cost_least():
+    assert prefill_groups([5, 17, 11]) == [[0, 1, 2]]                  # padding 18 < a forward
+    assert prefill_groups([60, 4, 5, 3]) == [[0], [1, 2, 3]]
+    assert prefill_groups([1, 1, 1, 533, 26, 107, 34]) == [[3], [5], [4, 6], [0, 1, 2]]
+    assert prefill_groups([400, 300], forward_tokens=0) == [[0], [1]]
+    assert prefill_groups([400, 300], forward_tokens=1000) == [[0, 1]]
