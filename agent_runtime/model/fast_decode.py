@@ -10,7 +10,9 @@ the first time a decode needs it; when it cannot be built (no compiler, no ninja
 is of a kind it does not cover, `stepper` returns None and generation stays in Python.
 `APPRENTICE_FAST_DECODE=0` turns the step off, not the extension's few-row bf16 matmul
 (`rows_linear`), which `model.linear` uses whenever the extension is built, so that the Python
-step and the C++ one compute the same bits.
+step and the C++ one compute the same bits. On CPUs with AMX-BF16 tiles the few-row products
+run on them (`amx_range`), for every row count; `APPRENTICE_AMX=0` (read once a process) keeps
+them on the AVX512 loop.
 
 It does not prefill, sample or manage caches (`generate` does) and never trains.
 """
@@ -68,8 +70,19 @@ def extension() -> Any:
 
 
 def extension_name() -> str:
-    """The build's name: one per CPU capability, so a shared cache keeps them apart."""
-    return f"apprentice_decode_{torch.backends.cpu.get_cpu_capability().lower()}_omp"
+    """The build's name: one per CPU capability (and AMX tiles or not: the build compiled on
+    a CPU with them holds the tile kernel), so a shared cache keeps them apart."""
+    amx = "_amx" if has_amx() else ""
+    return f"apprentice_decode_{torch.backends.cpu.get_cpu_capability().lower()}{amx}_omp"
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (Linux reports them in /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 def build_directory(name: str) -> Path:

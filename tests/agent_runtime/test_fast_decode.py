@@ -185,6 +185,26 @@ def test_rows_linear_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, widt
             assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
 
 
+def test_the_amx_tiles_and_the_avx512_loop_agree(built, tmp_path):
+    """On a CPU with AMX-BF16 the few-row products run on tiles (`amx_range`); with
+    APPRENTICE_AMX=0 (read once a process, so in a second one) on the AVX512 loop. Both sum
+    the same products in fp32 in another order, rounded once to bf16: at most one bf16 step
+    apart (mostly the same bits)."""
+    if not fast_decode.has_amx():
+        pytest.skip("no AMX-BF16 on this CPU")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 256, generator=g).bfloat16(), torch.randn(300, 256, generator=g).bfloat16()
+    torch.save((x, w), tmp_path / "xw.pt")
+    script = ("import sys, torch; from agent_runtime.model import fast_decode; "
+              "x, w = torch.load(sys.argv[1]); "
+              "torch.save(fast_decode.extension().rows_linear(x, w, None), sys.argv[2])")
+    subprocess.run([sys.executable, "-c", script, tmp_path / "xw.pt", tmp_path / "loop.pt"],
+                   check=True, env={**os.environ, "APPRENTICE_AMX": "0"})
+    loop = torch.load(tmp_path / "loop.pt")
+    tiles = fast_decode.extension().rows_linear(x, w, None)
+    assert ((tiles.double() - loop.double()).abs() <= loop.double().abs() * 2 ** -7 + 1e-4).all()
+
+
 @pytest.mark.parametrize("rows,weights,width", [(1, 1, 256), (6, 6, 64), (40, 3, 100)])
 def test_rms_norm_rows_is_rmsnorm_in_bf16(built, rows, weights, width):
     """`rms_norm_rows` against RMSNorm computed in float64 and rounded as HF rounds it

@@ -20,6 +20,13 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#endif
+
 namespace {
 
 // ---- few-row bf16 matmul: y [M, N] = x [M, K] @ w [N, K]^T (+ b), M <= kRows -------------
@@ -320,6 +327,114 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
 template <int M>
 constexpr int kBlock = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define APPRENTICE_AMX 1
+// ---- the same products on AMX tiles (CPUs with AMX-BF16: Sapphire Rapids and later) -------
+// One TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums: the
+// weights are the first operand (16 of w's rows, read in place), x the second (its rows as
+// columns, packed in pairs of k, the columns past M zero), so 8 rows cost what 1 row does
+// and w is read once. Each output is its own dot product, accumulated over k in blocks of
+// 32 in increasing k and rounded once: its bits depend only on x's row and w's row, not on
+// M, N, the thread count or the split of N. Used for every row count and every matmul of
+// this file (linear, experts, attention scores) whenever K is a multiple of 32 and Linux
+// grants the tile state (`amx_ready`), so the Python path and the C++ step agree as before;
+// the bits are not those of the AVX512 loop above (another order of the same sums).
+
+bool amx_ready() {
+  static const bool ok = [] {
+    const char* env = std::getenv("APPRENTICE_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+inline bool use_amx(int64_t K) { return K % 32 == 0 && amx_ready(); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Outputs begin..end of y [M, N] = x [M, K] @ w [N, K]^T (+ b), M <= 16, K % 32 == 0.
+template <class Out>
+void amx_range(int64_t M, const uint16_t* x, const uint16_t* w, int64_t N, int64_t K,
+               const float* bias, Out* y, int64_t begin, int64_t end) {
+  thread_local std::vector<uint16_t> packed, spare;
+  const int64_t chunks = K / 32;
+  packed.assign(chunks * 512, 0);                    // chunk c: [16 pairs][16 columns][2]
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      packed[(k / 32) * 512 + (k % 32 / 2) * 32 + m * 2 + k % 2] = x[m * K + k];
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {                      // 0, 1: sums; 2, 3: weights; 4: x
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[2][16 * 16];
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                              10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  // sums [16 weight rows][16 columns of x]: column m is output row m's 16 values, biased in
+  // fp32 and rounded once (to nearest even) as they are stored
+  auto emit = [&](const float* sums, int64_t n, int64_t rows) {
+    const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 v = _mm512_i32gather_ps(column, sums + m, 4);
+      if (bias) v = _mm512_add_ps(v, b);
+      if constexpr (std::is_same<Out, float>::value) {
+        _mm512_mask_storeu_ps(y + m * N + n, live, v);
+      } else {
+        _mm256_mask_storeu_epi16(y + m * N + n, live, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  };
+  const int64_t stride = K * 2;
+  int64_t n = begin;
+  for (; n + 32 <= end; n += 32) {                   // two blocks of 16 rows at a time
+    const uint16_t* a = w + n * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < chunks; ++k) {
+      _tile_loadd(4, packed.data() + k * 512, 64);
+      _tile_loadd(2, a + k * 32, stride);
+      _tile_loadd(3, a + 16 * K + k * 32, stride);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    emit(c[0], n, 16);
+    emit(c[1], n + 16, 16);
+  }
+  for (; n < end; n += 16) {                         // the rest, a partial block padded
+    const int64_t rows = std::min<int64_t>(16, end - n);
+    const uint16_t* a = w + n * K;
+    if (rows < 16) {
+      spare.assign(16 * K, 0);
+      std::memcpy(spare.data(), a, rows * K * sizeof(uint16_t));
+      a = spare.data();
+    }
+    _tile_zero(0);
+    for (int64_t k = 0; k < chunks; ++k) {
+      _tile_loadd(4, packed.data() + k * 512, 64);
+      _tile_loadd(2, a + k * 32, stride);
+      _tile_dpbf16ps(0, 2, 4);
+    }
+    _tile_stored(0, c[0], 64);
+    emit(c[0], n, rows);
+  }
+  _tile_release();
+}
+#else
+inline bool use_amx(int64_t) { return false; }
+#endif
+
 // x's rows as the dot products read them (XRow: bf16 as stored, or fp32), contiguous.
 at::Tensor as_xrows(const at::Tensor& x) {
   return x.to(std::is_same<XRow, float>::value ? at::kFloat : at::kBFloat16).contiguous();
@@ -329,6 +444,9 @@ at::Tensor as_xrows(const at::Tensor& x) {
 template <int M, class Out>
 void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
                 Out* y, int64_t begin, int64_t end) {
+#if defined(APPRENTICE_AMX)
+  if (use_amx(K)) return amx_range(M, x, w, N, K, bias, y, begin, end);
+#endif
   constexpr int NB = kBlock<M>;
   int64_t n = begin;
   for (; n + NB <= end; n += NB) dot_rows<M, NB>(x, w, K, n, bias, y, N);
@@ -358,7 +476,7 @@ constexpr int64_t kGrainMacs = int64_t{1} << 17;
 template <int M>
 void rows_kernel(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
                  at::BFloat16* y) {
-  constexpr int NB = kBlock<M>;
+  const int64_t NB = use_amx(K) ? 32 : kBlock<M>;    // the rows a kernel step takes
   const int64_t grain = std::max<int64_t>(NB, kGrainMacs / (K * M) / NB * NB);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     rows_range<M>(x, w, N, K, bias, y, begin, end);
@@ -375,7 +493,8 @@ void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
   auto xr = as_xrows(xs);
   const auto* xp = static_cast<const XRow*>(xr.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t piece = std::max<int64_t>(4, (int64_t{1} << 16) / K / 4 * 4);
+  const int64_t step = use_amx(K) ? 32 : 4;          // rows a kernel step takes
+  const int64_t piece = std::max<int64_t>(step, (int64_t{1} << 16) / K / step * step);
   const int64_t pieces = (N + piece - 1) / piece;
   const int64_t jobs = static_cast<int64_t>(ws.size()) * pieces;
   // as rows_kernel: at least kGrainMacs multiply-adds a thread (the groups' mean rows a job)
