@@ -337,8 +337,9 @@ constexpr int kBlock = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
 // 32 in increasing k and rounded once: its bits depend only on x's row and w's row, not on
 // M, N, the thread count or the split of N. Used for every row count and every matmul of
 // this file (linear, experts, attention scores) whenever K is a multiple of 32 and Linux
-// grants the tile state (`amx_ready`), so the Python path and the C++ step agree as before;
-// the bits are not those of the AVX512 loop above (another order of the same sums).
+// grants the tile state (`amx_ready`), so the Python path and the C++ step agree as before.
+// Its fp32 sums run in another order than the AVX512 loop's above, so a result may differ
+// from the loop's by one bf16 step (rounded once to bf16, they mostly agree).
 
 bool amx_ready() {
   static const bool ok = [] {
