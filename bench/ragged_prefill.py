@@ -52,8 +52,8 @@ def warm(model, heads: list[list[int]]) -> list:
     return list(cache.entries)
 
 
-def run(model, prompts, entries, rows: bool) -> tuple[float, list[int]]:
-    gen_module.FORWARD_TOKENS = FORWARD_TOKENS if rows else 1 << 30
+def run(model, prompts, entries, grouped: bool) -> tuple[float, list[int]]:
+    gen_module.FORWARD_TOKENS = FORWARD_TOKENS if grouped else 1 << 30   # else one forward
     cache = PrefixCache(1 << 32)
     for e in entries:
         cache.add(e)
@@ -85,24 +85,24 @@ def main() -> None:
     for prompts, entries in cases:
         got = {True: [], False: []}
         for _ in range(a.reps):
-            for rows in (False, True):
-                t, toks = run(model, prompts, entries, rows)
-                got[rows].append(t)
-                if rows:
+            for grouped in (False, True):
+                t, toks = run(model, prompts, entries, grouped)
+                got[grouped].append(t)
+                if grouped:
                     differ += toks != first
                 else:
                     first = toks
-        for rows in (False, True):
-            times[rows].append(statistics.median(got[rows]))
-    padded, by_row = sum(times[False]), sum(times[True])
+        for grouped in (False, True):
+            times[grouped].append(statistics.median(got[grouped]))
+    padded, grouped_s = sum(times[False]), sum(times[True])
     print(f"{len(cases)} batches, {sum(len(p) for p, _ in cases)} calls; model {a.model}, "
           f"{a.threads} threads, medians of {a.reps}")
     for i, (t0, t1) in enumerate(zip(times[False], times[True])):
         print(f"  batch {i}: padded {t0 * 1e3:7.1f} ms   grouped {t1 * 1e3:7.1f} ms")
     print(f"first tokens that differ between the two: {differ} of "
           f"{a.reps * sum(len(p) for p, _ in cases)}")
-    print(f"padded {padded:.3f} s, grouped {by_row:.3f} s; padded / grouped: "
-          f"{padded / by_row:.2f}x")
+    print(f"padded {padded:.3f} s, grouped {grouped_s:.3f} s; padded / grouped: "
+          f"{padded / grouped_s:.2f}x")
 
 
 if __name__ == "__main__":
