@@ -127,11 +127,12 @@ class RunConfig:
 
 def parse_task_spec(name: str, seed: int = 0) -> tuple[str, dict]:
     """("toy", {}) or ("sim", {"seed": N, "phrasings": X}) from a task spec: "toy", or "sim"
-    with optional settings after a colon, "sim:seed=3,phrasings=0.6". `seed` is the generator
-    seed of the instances (default: the run's `seed`; the recipe's SFT data is seed 0, so
-    another seed gives tasks the SFT model never saw), `phrasings` the share of them whose
-    instruction is composed from parts (`learner.tasks.generate`: wordings SFT did not see).
-    ValueError, saying what is accepted, for anything else."""
+    with optional settings after a colon, "sim:seed=3,phrasings=0.6,families=fix_bug+rename_symbol".
+    `seed` is the generator seed of the instances (default: the run's `seed`; the recipe's SFT
+    data is seed 0, so another seed gives tasks the SFT model never saw), `phrasings` the share
+    of them whose instruction is composed from parts (`learner.tasks.generate`: wordings SFT did
+    not see), `families` the task families to draw from, joined by "+" (default: all; given, the
+    dict has a "families" list). ValueError, saying what is accepted, for anything else."""
     family, _, spec = name.partition(":")
     if family == "toy" and not spec:
         return "toy", {}
@@ -141,16 +142,30 @@ def parse_task_spec(name: str, seed: int = 0) -> tuple[str, dict]:
     settings: dict = {"seed": seed, "phrasings": 0.0}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, _, value = item.partition("=")
+        if key == "families":
+            settings[key] = _families(value, name)
+            continue
         try:
             if key not in settings:
                 raise ValueError
             settings[key] = int(value) if key == "seed" else float(value)
         except ValueError:
-            raise ValueError(f"bad task setting {item!r} in {name!r}: the settings are "
-                             "seed=N and phrasings=SHARE, e.g. sim:seed=3,phrasings=0.6") from None
+            raise ValueError(f"bad task setting {item!r} in {name!r}: the settings are seed=N, "
+                             "phrasings=SHARE and families=A+B, e.g. "
+                             "sim:seed=3,phrasings=0.6,families=fix_bug+rename_symbol") from None
     if not 0.0 <= settings["phrasings"] <= 1.0:
         raise ValueError(f"phrasings must be between 0 and 1 in {name!r}")
     return "sim", settings
+
+
+def _families(value: str, spec: str) -> list[str]:
+    from learner.tasks import FAMILIES
+    names = [f.strip() for f in value.split("+") if f.strip()]
+    unknown = [f for f in names if f not in FAMILIES]
+    if not names or unknown:
+        raise ValueError(f"families={value!r} in {spec!r}: give one or more of "
+                         f"{'+'.join(FAMILIES)}")
+    return names
 
 
 def to_dict(config: Any) -> dict:

@@ -60,6 +60,8 @@ class GRPOStageConfig:
                                     # mixed (`PipelineConfig.revisit`; 0: off)
     max_skipped: int = 0            # groups with one reward throughout set aside per step
                                     # (`PipelineConfig.max_skipped`; 0: off)
+    families: tuple[str, ...] = ()  # task families the stage draws from (empty: all), e.g. the
+                                    # ones that come back mixed at its temperature
     trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
                                     # trainable`; empty: all), e.g. `learner.online.TRAINABLE`
 
@@ -273,10 +275,11 @@ def _start(out: Path) -> Path:
 
 def grpo_tasks(g: GRPOStageConfig) -> str:
     """The pipeline's task spec for the stage (`learner.pipeline.task_family`)."""
-    if g.task_seed is None and not g.phrasings:
+    if g.task_seed is None and not g.phrasings and not g.families:
         return "sim"
     seed = g.seed if g.task_seed is None else g.task_seed
-    return f"sim:seed={seed},phrasings={g.phrasings}"
+    families = f",families={'+'.join(g.families)}" if g.families else ""
+    return f"sim:seed={seed},phrasings={g.phrasings}{families}"
 
 
 def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):

@@ -758,6 +758,20 @@ def test_the_grpo_stage_can_train_on_fresh_tasks_with_composed_wordings():
         "sim", {"seed": 2, "phrasings": 0.25})
 
 
+def test_the_grpo_stage_can_draw_from_some_families_and_a_misspelt_one_is_named():
+    from learner.config import parse_task_spec
+    from learner.pipeline import task_family
+    from learner.recipe.stages import GRPOStageConfig, grpo_tasks
+    spec = grpo_tasks(GRPOStageConfig(families=("fix_bug", "rename_symbol")))
+    assert parse_task_spec(spec) == ("sim", {"seed": 0, "phrasings": 0.0,
+                                             "families": ["fix_bug", "rename_symbol"]})
+    tasks, _ = task_family(spec)
+    assert {t.family for t in tasks} == {"fix_bug", "rename_symbol"}
+    for bad in ("sim:families=fixbug", "sim:families=", "sim:families=fix_bug+nope"):
+        with pytest.raises(ValueError, match="give one or more of fix_"):
+            parse_task_spec(bad)
+
+
 def test_a_grep_slip_searches_for_a_name_the_code_lacks_then_for_the_plans():
     from agent_runtime.toolcalls import parse_tool_calls
     from learner.recipe.sft import with_slip
