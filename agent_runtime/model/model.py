@@ -357,13 +357,20 @@ class MoEModel(nn.Module):
         super().__init__()
         self.args = args
         self.hf_config = dict(hf_config or {})
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # built on "meta" to be loaded into (`load_model`), the values are replaced, and a meta
+        # tensor's normal_ or arange imports torch._dynamo (~3 s of every model load): skip them
+        on_meta = torch.empty(0).device.type == "meta"
+        weight = torch.empty(args.vocab_size, args.hidden_size)
+        if not on_meta:
+            nn.init.normal_(weight)                   # what nn.Embedding's own init does
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_frequencies(args), persistent=False)
+        freqs = torch.empty(args.head_dim // 2) if on_meta else rope_frequencies(args)
+        self.register_buffer("inv_freq", freqs, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:

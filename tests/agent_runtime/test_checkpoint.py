@@ -119,3 +119,26 @@ def test_load_peak_memory_stays_near_checkpoint_size(tmp_path):
                                check=True).stdout.split()[-1])
     assert size > 30e6
     assert grown < 1.3 * size, f"peak RSS grew {grown / 1e6:.1f} MB for a {size / 1e6:.1f} MB checkpoint"
+
+
+def test_a_load_builds_on_meta_without_importing_torch_dynamo(tmp_path):
+    """A meta tensor's normal_ or arange imports torch._dynamo (~3 s of every `apprentice`
+    process that loads a model); a load skips them, a model built for training keeps its init."""
+    path = save_hf_checkpoint("qwen3_moe", tmp_path / "hf")
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from agent_runtime.model import load_model
+        model = load_model({str(path)!r})
+        assert model.embed_tokens.weight.device.type == "cpu"
+        print("torch._dynamo" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False", out.stderr
+    from agent_runtime.model.model import MoEModel, rope_frequencies
+    model = load_model(path, dtype="float32")
+    assert torch.equal(model.inv_freq, rope_frequencies(model.args))
+    torch.manual_seed(0)
+    built = MoEModel(model.args)                    # as nn.Embedding initializes: N(0, 1)
+    torch.manual_seed(0)
+    assert torch.equal(built.embed_tokens.weight, torch.randn(built.embed_tokens.weight.shape))
+    assert torch.equal(built.inv_freq, rope_frequencies(model.args))
