@@ -359,7 +359,7 @@ class MoEModel(nn.Module):
         self.hf_config = dict(hf_config or {})
         # built on "meta" to be loaded into (`load_model`), the values are replaced, and a meta
         # tensor's normal_ or arange imports torch._dynamo (~3 s of every model load): skip them
-        on_meta = torch.empty(0).device.type == "meta"
+        on_meta = torch.get_default_device().type == "meta"
         weight = torch.empty(args.vocab_size, args.hidden_size)
         if not on_meta:
             nn.init.normal_(weight)                   # what nn.Embedding's own init does
