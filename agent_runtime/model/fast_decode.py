@@ -174,7 +174,8 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
         logits, routes = ext.decode_step(
             tokens, past, cache.valid, cos, sin, model.embed_tokens.weight, model.norm.weight,
             model.lm_head.weight, layers, biases, cache.k, cache.v, a.num_heads,
-            a.num_kv_heads, a.head_dim, a.top_k, a.norm_topk_prob, upcast, a.rms_eps, a.scale)
+            a.num_kv_heads, a.head_dim, a.top_k, a.norm_topk_prob, upcast, a.rms_eps, a.scale,
+            cache.shared, cache.shared_from)
         cache.pos = past + 1
         return ModelOutput(logits=logits, routes=routes)
     return step

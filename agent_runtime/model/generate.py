@@ -325,6 +325,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     held = list(constraints) if constraints is not None and any(constraints) else None
     forced: list[list[int]] = [list(r.forced or []) if r is not None else [] for r in resumed]
     fast = stepper(model)                             # the same step in C++, when it can
+    if fast is not None and B > 1:
+        cache.share()                                 # a group's common prompt: read once a step
     done: list[Generation | None] = [None] * B        # rows that ended, with their results
     live = list(range(B))                             # rows still decoding, in cache order
 

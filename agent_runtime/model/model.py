@@ -62,6 +62,35 @@ class KVCache:
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # key padding
         self.max_len, self.dtype = max_len, dtype
         self.pos = 0                          # columns filled so far
+        self.shared = 0                       # columns every row holds the same ...
+        self.shared_from: torch.Tensor | None = None  # ... from its column shared_from[b] on
+
+    def share(self) -> int:
+        """Set and return `shared`: how many columns every row sees and holds the same keys
+        and values in (compared byte for byte), each row from its first column it sees on
+        (`shared_from`): a group's common prompt, or the system prompt and task its later
+        calls share, when its rows were filled alike. Decode steps then read those columns
+        once for all rows (`fast_decode`); dropping rows (`keep`) keeps it true, and later
+        steps write after it."""
+        self.shared, self.shared_from = 0, None
+        B, n = self.valid.shape[0], self.pos
+        if B < 2 or not n or not self.k:
+            return 0
+        valid = self.valid[:, :n]
+        if not bool(valid.any(1).all()):
+            return 0
+        start = valid.long().argmax(1)                     # each row's first column it sees
+        span = int(n - start.max())
+        cols = start[:, None] + torch.arange(span, device=start.device)    # [B, span]
+        same = valid.gather(1, cols).all(0)
+        for t in self.k + self.v:                          # [B, KV, n, D], compared as bytes
+            bits = t[:, :, :n].view(torch.uint8)
+            rows = bits.gather(2, cols[:, None, :, None].expand(-1, bits.shape[1], -1,
+                                                                bits.shape[3]))
+            same &= (rows[1:] == rows[:1]).all(-1).all(1).all(0)
+        self.shared = int(same.long().cumprod(0).sum())
+        self.shared_from = start if self.shared else None
+        return self.shared
 
     def keep(self, rows: list[int]) -> list[int]:
         """Drop every row not in `rows` (rows that finished while others decode on, so that
@@ -82,6 +111,8 @@ class KVCache:
         self.k = [t[:n] for t in self.k]
         self.v = [t[:n] for t in self.v]
         self.valid = self.valid[:n]
+        if self.shared_from is not None:
+            self.shared_from = self.shared_from[torch.tensor(order)]
         return order
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

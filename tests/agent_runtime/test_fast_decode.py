@@ -31,14 +31,14 @@ def _prompts(*lens):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
 
 
-def _both(monkeypatch, model, prompts, params, cache_mb=0):
+def _both(monkeypatch, model, prompts, params, cache_mb=0, **kw):
     out = {}
     for mode in ("0", "1"):
         monkeypatch.setenv(fast_decode.ENV, mode)
         cache = PrefixCache(max_bytes=cache_mb * 2**20) if cache_mb else None
-        first = generate(model, prompts, params, prefix_cache=cache)
+        first = generate(model, prompts, params, prefix_cache=cache, **kw)
         again = generate(model, [p + g.tokens[:3] for p, g in zip(prompts, first)], params,
-                         prefix_cache=cache) if cache else []
+                         prefix_cache=cache, **kw) if cache else []
         out[mode] = first + again
     return out["0"], out["1"]
 
@@ -58,6 +58,30 @@ def test_the_cpp_step_is_bitwise_the_python_step(built, monkeypatch, tmp_path, f
         for a, b in zip(python, cpp):
             assert a.tokens == b.tokens and a.logprobs == b.logprobs
             assert torch.equal(a.routes, b.routes) and a.finish_reason == b.finish_reason
+
+
+def test_a_group_that_shares_its_prompt_reads_it_once_with_the_python_steps_bits(
+        built, monkeypatch, tmp_path):
+    """Rows whose caches hold the same prompt (a GRPO group's first call; its later calls,
+    which share the system prompt and task but start at different columns through the prefix
+    cache) decode through `shared_attention`, with the Python step's tokens, logprobs and
+    routes, rows finishing early included."""
+    from agent_runtime.model.model import KVCache
+    model = load_model(save_hf_checkpoint("qwen3_moe", tmp_path / "m"), dtype="bfloat16")
+    seen = []
+    share = KVCache.share
+    monkeypatch.setattr(KVCache, "share", lambda self: seen.append(share(self)) or seen[-1])
+    common, tails = _prompts(40)[0], _prompts(3, 11, 6, 1)
+    cases = [([common] * 4, SamplingParams(max_new_tokens=14, temperature=1.0, seed=5), 0),
+             ([common + t for t in tails], SamplingParams(max_new_tokens=12, temperature=1.0,
+                                                          seed=6), 8)]
+    for prompts, params, cache_mb in cases:       # a window of 59: rows of 5 to 12 new tokens
+        python, cpp = _both(monkeypatch, model, prompts, params, cache_mb, window=59)
+        assert len({len(g.tokens) for g in cpp}) > 1 or cache_mb == 0
+        for a, b in zip(python, cpp):
+            assert a.tokens == b.tokens and a.logprobs == b.logprobs
+            assert torch.equal(a.routes, b.routes) and a.finish_reason == b.finish_reason
+    assert seen[0] == 40 and all(n >= 40 for n in seen), seen
 
 
 @pytest.mark.parametrize("family", sorted(NOT_COVERED))
@@ -128,6 +152,60 @@ def test_decode_attention_is_attention_and_a_row_alone_is_a_row_in_a_batch(built
     for b in range(B):
         alone = ext.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1], scale)
         assert torch.equal(alone.view(torch.int16), out[b:b + 1].view(torch.int16))
+
+
+@pytest.mark.parametrize("B,kv,group,dim,length,shared,offset", [
+    (8, 2, 2, 64, 300, 256, 0), (8, 2, 2, 64, 300, 200, 40), (3, 4, 4, 64, 40, 39, 0),
+    (5, 1, 12, 32, 100, 3, 9), (2, 2, 3, 48, 33, 1, 0), (9, 2, 2, 64, 70, 60, 9),
+    (4, 2, 2, 64, 50, 20, 5)])
+def test_decode_attention_over_a_shared_prompt_gives_each_row_its_own_bits(
+        built, B, kv, group, dim, length, shared, offset):
+    """`decode_attention` told that every row holds the same `shared` columns, row b from its
+    column from[b] on (a group's common prompt, read once for all rows), gives each row the
+    bits it gets alone: rows that start at different columns (NaN in the padding before),
+    with holes after the shared columns (NaN), shared columns up to the whole cache. What a
+    mask contradicts (a shared column hidden, an earlier column seen) is not read as shared
+    and changes nothing."""
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(length + shared + offset)
+    scale = dim ** -0.5
+    q = torch.randn(B, kv, group, dim, generator=g).bfloat16()
+    k = torch.randn(B, kv, length, dim, generator=g).bfloat16()
+    v = torch.randn(B, kv, length, dim, generator=g).bfloat16()
+    common_k = torch.randn(kv, shared, dim, generator=g).bfloat16()
+    common_v = torch.randn(kv, shared, dim, generator=g).bfloat16()
+    start = torch.randint(0, offset + 1, (B,), generator=g) if offset else torch.zeros(B, dtype=torch.long)
+    mask = torch.ones(B, 1, 1, length, dtype=torch.bool)
+    for b in range(B):
+        o = int(start[b])
+        mask[b, ..., :o] = False
+        k[b, :, o:o + shared], v[b, :, o:o + shared] = common_k, common_v
+        if b % 2 and o + shared + 1 < length:                # a hole after the shared columns
+            end = min(length - 1, o + shared + 1 + b)
+            mask[b, ..., o + shared:end] = False
+        hidden = ~mask[b, 0, 0][None, :, None].expand(kv, length, dim)
+        k[b][hidden] = float("nan")
+        v[b][hidden] = float("nan")
+
+    def each_alone(m):
+        return [ext.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], m[b:b + 1], scale)
+                for b in range(B)]
+
+    out = ext.decode_attention(q, k, v, mask, scale, shared=shared, **{"from": start})
+    assert not out.isnan().any()
+    for b, alone in enumerate(each_alone(mask)):
+        assert torch.equal(alone.view(torch.int16), out[b:b + 1].view(torch.int16)), b
+    for wrong in ("hidden", "seen"):
+        m = mask.clone()
+        b = B - 1
+        if wrong == "hidden":
+            m[b, ..., int(start[b]) + shared // 2] = False
+        elif int(start[b]) > 0:
+            m[b, ..., int(start[b]) - 1] = True
+            k[b, :, int(start[b]) - 1] = v[b, :, int(start[b]) - 1] = 0.5
+        out = ext.decode_attention(q, k, v, m, scale, shared=shared, **{"from": start})
+        for b, alone in enumerate(each_alone(m)):
+            assert torch.equal(alone.view(torch.int16), out[b:b + 1].view(torch.int16)), (wrong, b)
 
 
 @pytest.mark.parametrize("kv,group,new,cols,dim", [(2, 2, 37, 50, 64), (1, 4, 20, 20, 64),

@@ -242,13 +242,16 @@ inline float exp_lanes(float* s, int64_t n, float mx) {
 // depend on the rows beside it.
 template <int GN, int DB>
 inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* v, int64_t D,
-                         int64_t d, float* acc) {
+                         int64_t d, float* acc, bool more) {
   const int64_t tail = D - d - kLanes * (DB - 1);            // lanes of the last block
   const bool full = tail >= kLanes;
   const __mmask16 mask = full ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
   __m512 a[GN][DB];
   for (int j = 0; j < GN; ++j)
-    for (int b = 0; b < DB; ++b) a[j][b] = _mm512_setzero_ps();
+    for (int b = 0; b < DB; ++b)
+      a[j][b] = !more ? _mm512_setzero_ps()
+                : b + 1 < DB ? _mm512_loadu_ps(acc + j * D + d + b * kLanes)
+                             : _mm512_maskz_loadu_ps(mask, acc + j * D + d + b * kLanes);
   for (int64_t t = 0; t < S; ++t) {
     bool any = false;
     for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
@@ -273,29 +276,30 @@ inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* 
 
 template <int GN>
 inline void values_blocks(int64_t DB, const float* p, int64_t ps, int64_t S, const uint16_t* v,
-                          int64_t D, int64_t d, float* acc) {
+                          int64_t D, int64_t d, float* acc, bool more) {
   switch (DB) {
-    case 1: values_block<GN, 1>(p, ps, S, v, D, d, acc); break;
-    case 2: values_block<GN, 2>(p, ps, S, v, D, d, acc); break;
-    case 3: values_block<GN, 3>(p, ps, S, v, D, d, acc); break;
-    default: values_block<GN, 4>(p, ps, S, v, D, d, acc); break;
+    case 1: values_block<GN, 1>(p, ps, S, v, D, d, acc, more); break;
+    case 2: values_block<GN, 2>(p, ps, S, v, D, d, acc, more); break;
+    case 3: values_block<GN, 3>(p, ps, S, v, D, d, acc, more); break;
+    default: values_block<GN, 4>(p, ps, S, v, D, d, acc, more); break;
   }
 }
 
 // acc [R, D] = p [R, S] (row stride ps) @ v [S, D] (bf16 values, fp32 sums): up to 4 rows and
-// 64 lanes of D at a time, one pass over the positions each.
+// 64 lanes of D at a time, one pass over the positions each. `more`: go on from the sums
+// already in acc (the same chain of fused multiply-adds as one call over both ranges).
 inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
-                            int64_t D, float* acc) {
+                            int64_t D, float* acc, bool more = false) {
   for (int64_t d = 0; d < D; d += 4 * kLanes) {
     const int64_t blocks = std::min<int64_t>(4, (D - d + kLanes - 1) / kLanes);
     for (int64_t r = 0; r < R; r += 4) {
       const float* pr = p + r * ps;
       float* ar = acc + r * D;
       switch (std::min<int64_t>(4, R - r)) {
-        case 1: values_blocks<1>(blocks, pr, ps, S, v, D, d, ar); break;
-        case 2: values_blocks<2>(blocks, pr, ps, S, v, D, d, ar); break;
-        case 3: values_blocks<3>(blocks, pr, ps, S, v, D, d, ar); break;
-        default: values_blocks<4>(blocks, pr, ps, S, v, D, d, ar); break;
+        case 1: values_blocks<1>(blocks, pr, ps, S, v, D, d, ar, more); break;
+        case 2: values_blocks<2>(blocks, pr, ps, S, v, D, d, ar, more); break;
+        case 3: values_blocks<3>(blocks, pr, ps, S, v, D, d, ar, more); break;
+        default: values_blocks<4>(blocks, pr, ps, S, v, D, d, ar, more); break;
       }
     }
   }
@@ -311,8 +315,8 @@ inline float exp_lanes(float* s, int64_t n, float mx) {
 }
 
 inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
-                            int64_t D, float* acc) {
-  std::fill(acc, acc + R * D, 0.0f);
+                            int64_t D, float* acc, bool more = false) {
+  if (!more) std::fill(acc, acc + R * D, 0.0f);
   for (int64_t t = 0; t < S; ++t) {
     bool any = false;
     for (int64_t r = 0; r < R; ++r) any |= p[r * ps + t] != 0.0f;
@@ -747,10 +751,126 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
   return out;
 }
 
-// A decode step's attention (one new token per row): q [B, KV, G, D], mask [B, S] or none.
+// `attention_rows` of one new token per row when every row b holds the same `shared` keys
+// and values in its columns from[b]...from[b] + shared (a group's common prompt, or the
+// system prompt and task of a group's later calls, `KVCache.share`), and sees none of its
+// columns before from[b]: the query rows of every row that share a kv head go through those
+// columns together, up to 8 at a time, reading them once (row 0's) instead of once per row;
+// each row's own columns follow. Each query row gets the bits `attention_rows` gives it: the
+// same dot products as scores, in the same columns of its softmax (the same lanes), and its
+// values summed in the same increasing columns (`weighted_values` going on from the shared
+// columns' sums; the columns before from[b] have weight 0 in every row, which attention_rows
+// skips too). What the mask contradicts (a shared column hidden, an earlier one seen) is
+// not shared: the columns shrink, or the step takes `attention_rows`.
+at::Tensor shared_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, double scale,
+                            int64_t shared, const at::Tensor& from) {
+  RECORD_FUNCTION("apprentice::shared_attention", std::vector<c10::IValue>({q, k}));
+  const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), D = q.size(3), S = k.size(2);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16 && k.dim() == 4 && k.size(0) == B &&
+              k.size(1) == KV && k.size(3) == D && v.sizes() == k.sizes(),
+              "shared_attention: q [B, KV, G, D], k and v [B, KV, S, D], bf16");
+  TORCH_CHECK(from.numel() == B, "shared_attention: one first shared column per row");
+  const auto fc = from.to(at::kLong).contiguous();
+  const int64_t* f = fc.data_ptr<int64_t>();
+  at::Tensor mc;
+  const bool* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->numel() == B * S, "shared_attention: a mask of B x S");
+    mc = mask->reshape({B, S}).to(at::kBool).contiguous();
+    mp = mc.data_ptr<bool>();
+  }
+  int64_t P = shared;
+  for (int64_t b = 0; b < B && P > 0; ++b) {
+    if (f[b] < 0 || (!mp && f[b] > 0)) P = 0;
+    P = std::min(P, S - f[b]);
+    for (int64_t j = 0; mp && j < f[b] && P > 0; ++j)
+      if (mp[b * S + j]) P = 0;                    // a column before the shared ones is seen
+    for (int64_t j = 0; mp && j < P; ++j)
+      if (!mp[b * S + f[b] + j]) P = j;            // a shared column is hidden
+  }
+  if (P <= 0) return attention_rows(q.unsqueeze(3), k, v, mask, false, scale).squeeze(3);
+  auto rows = [&](const at::Tensor& t) {
+    return t.stride(3) == 1 && (S == 1 || t.stride(2) == D) ? t : t.contiguous();
+  };
+  const at::Tensor kc = rows(k), vc = rows(v);
+  auto qx = as_xrows(q);
+  auto out = at::empty({B, KV, G, D}, q.options());
+  const auto* qp = static_cast<const XRow*>(qx.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t kb = kc.stride(0), kh = kc.stride(1), vb = vc.stride(0), vh = vc.stride(1);
+  const int64_t R = B * G, blocks = (R + kRows - 1) / kRows;   // query rows of a kv head
+  const float sc = static_cast<float>(scale);
+  const int64_t work = std::max<int64_t>(1, 2 * std::min(kRows, R) * S * D);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  at::parallel_for(0, KV * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kRows * S), common(kRows * P), acc(kRows * D), total(kRows);
+    std::vector<XRow> qr(kRows * D);
+    std::vector<int64_t> last(kRows), row(kRows);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t h = job / blocks, i0 = (job % blocks) * kRows, n = std::min(kRows, R - i0);
+      int64_t seen = 0;
+      for (int64_t r = 0; r < n; ++r) {             // query row i0 + r: row b, head g of h
+        const int64_t b = row[r] = (i0 + r) / G, g = (i0 + r) % G;
+        std::memcpy(qr.data() + r * D, qp + ((b * KV + h) * G + g) * D, D * sizeof(XRow));
+        last[r] = S;
+        if (mp)
+          while (last[r] > f[b] + P && !mp[b * S + last[r] - 1]) --last[r];
+        seen = std::max(seen, last[r]);
+      }
+      // scores [n, seen]: the shared columns for all n rows at once (row 0's keys), placed in
+      // each row's own columns, then each row's own columns after them
+      rows_range_any(n, qr.data(), kp + h * kh + f[0] * D, P, D, nullptr, common.data(), 0, P);
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(scores.data() + r * seen + f[row[r]], common.data() + r * P, P * sizeof(float));
+      for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {   // runs of query rows of one row b
+        const int64_t b = row[r0];
+        for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
+        rows_range_any(r1 - r0, qr.data() + r0 * D, kp + b * kb + h * kh, seen, D, nullptr,
+                       scores.data() + r0 * seen, f[b] + P, last[r0]);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        float* s = scores.data() + r * seen;
+        const bool* m = mp ? mp + row[r] * S : nullptr;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < seen; ++j) {         // columns before from[b]: masked
+          s[j] = j >= last[r] || (m && !m[j]) ? -INFINITY : s[j] * sc;
+          mx = std::max(mx, s[j]);
+        }
+        total[r] = exp_lanes(s, seen, mx);
+        std::memcpy(common.data() + r * P, s + f[row[r]], P * sizeof(float));
+      }
+      weighted_values(n, common.data(), P, P, vp + h * vh + f[0] * D, D, acc.data());
+      for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {
+        const int64_t b = row[r0], own = f[b] + P;
+        for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
+        weighted_values(r1 - r0, scores.data() + r0 * seen + own, seen, last[r0] - own,
+                        vp + b * vb + h * vh + own * D, D, acc.data() + r0 * D, true);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t b = row[r], g = (i0 + r) % G;
+        const float inv = 1.0f / total[r];
+        at::BFloat16* o = op + ((b * KV + h) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = at::BFloat16(acc[r * D + d] * inv);
+      }
+    }
+  });
+  return out;
+}
+
+// A decode step's attention (one new token per row): q [B, KV, G, D], mask [B, S] or none;
+// `shared` columns the same in every row from its column from[b] on (or 0; `shared_attention`).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale) {
+                            const c10::optional<at::Tensor>& mask, double scale,
+                            int64_t shared, const c10::optional<at::Tensor>& from) {
   TORCH_CHECK(q.dim() == 4, "decode_attention: q [B, KV, G, D]");
+  if (shared > 0 && q.size(0) > 1)
+    return shared_attention(q, k, v, mask, scale, shared,
+                            from.has_value() && from->defined()
+                                ? *from : at::zeros({q.size(0)}, q.options().dtype(at::kLong)));
   return attention_rows(q.unsqueeze(3), k, v, mask, false, scale).squeeze(3);
 }
 
@@ -840,7 +960,9 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
 // key padding, updated here); cos/sin [max_position, D] tables; layers: 10 tensors per layer
 // (input norm, q, k, v, o, q/k-norm weight [h + kv, D] or undefined, post norm, router,
 // gate_up, down); biases: 4 per layer (q, k, v, o; each may be None); k_cache/v_cache: per
-// layer [B, kv, max_len, D]. Returns (logits [B, 1, V], routes [B, 1, L, k]).
+// layer [B, kv, max_len, D]; shared, shared_from: columns every row holds the same, from its
+// column shared_from[b] on (`KVCache.share`; 0 and None when unknown). Returns (logits
+// [B, 1, V], routes [B, 1, L, k]).
 std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::Tensor valid,
                                     const at::Tensor& cos_table, const at::Tensor& sin_table,
                                     const at::Tensor& embed, const at::Tensor& final_norm,
@@ -850,7 +972,8 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
                                     const std::vector<at::Tensor>& k_cache,
                                     const std::vector<at::Tensor>& v_cache, int64_t heads,
                                     int64_t kv_heads, int64_t head_dim, int64_t top_k,
-                                    bool norm_topk, bool upcast, double eps, double scale) {
+                                    bool norm_topk, bool upcast, double eps, double scale,
+                                    int64_t shared, const c10::optional<at::Tensor>& shared_from) {
   at::NoGradGuard no_grad;
   const Shape s{heads, kv_heads, head_dim, top_k, norm_topk, upcast, eps, scale};
   const int64_t B = tokens.size(0), D = head_dim, group = heads / kv_heads;
@@ -893,7 +1016,8 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
     auto keys = k_cache_l.slice(2, 0, past + 1), values = v_cache[l].slice(2, 0, past + 1);
     at::Tensor out;
     if (dtype == at::kBFloat16) {           // as `Attention.forward` with the extension built
-      out = decode_attention(qd.reshape({B, kv_heads, group, D}), keys, values, mask, scale)
+      out = decode_attention(qd.reshape({B, kv_heads, group, D}), keys, values, mask, scale,
+                             shared, shared_from)
                 .reshape({B, 1, -1});
     } else if (group > 1) {
       out = at::scaled_dot_product_attention(qd.reshape({B, kv_heads, group, D}), keys, values,
@@ -926,7 +1050,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "one decode step of MoEModel");
   m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
   m.def("moe_rows", &moe_rows, "the routed experts of at most 8 rows of bf16");
-  m.def("decode_attention", &decode_attention, "one new token's attention per row, bf16");
+  m.def("decode_attention", &decode_attention, "one new token's attention per row, bf16",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
+        py::arg("shared") = 0, py::arg("from") = py::none());
   m.def("attention_rows", &attention_rows, "bf16 attention without autograd, row by row");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of bf16 rows without autograd");
 }
