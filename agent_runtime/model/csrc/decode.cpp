@@ -219,6 +219,25 @@ inline __m512 exp_ps(__m512 x) {   // x <= 0: 2^n * p(r), r = x - n ln 2, |error
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));   // below e^-87: 0
 }
 
+// s[t] = t < last and m[t] (or no m) ? s[t] * sc : -inf for t < n; returns their max. Max
+// and the product are exact, so 16 lanes at a time give the scalar loop's bits.
+inline float scale_visible(float* s, int64_t n, int64_t last, const bool* m, float sc) {
+  const __m512 scale = _mm512_set1_ps(sc), hidden = _mm512_set1_ps(-INFINITY);
+  __m512 mx = hidden;
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const int64_t live = std::min<int64_t>(kLanes, std::max<int64_t>(0, std::min(n, last) - t));
+    __mmask16 keep = live >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    const int64_t width = std::min<int64_t>(kLanes, n - t);
+    const __mmask16 in = width >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+    if (m && keep)                                   // bools as bytes: seen where nonzero
+      keep &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(keep, m + t), _mm_set1_epi8(-1));
+    const __m512 v = _mm512_mask_mul_ps(hidden, keep, _mm512_maskz_loadu_ps(keep, s + t), scale);
+    _mm512_mask_storeu_ps(s + t, in, v);
+    mx = _mm512_mask_max_ps(mx, in, mx, v);
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+
 // s[t] = exp(s[t] - mx) for t < n (exp(-inf) = 0); returns their sum, in 16 lanes (lane
 // t % 16, increasing t) summed by `lane_sum`'s tree.
 inline float exp_lanes(float* s, int64_t n, float mx) {
@@ -305,6 +324,15 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
   }
 }
 #else
+inline float scale_visible(float* s, int64_t n, int64_t last, const bool* m, float sc) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = j >= last || (m && !m[j]) ? -INFINITY : s[j] * sc;
+    mx = std::max(mx, s[j]);
+  }
+  return mx;
+}
+
 inline float exp_lanes(float* s, int64_t n, float mx) {
   float lanes[kLanes] = {};
   for (int64_t t = 0; t < n; ++t) {
@@ -692,11 +720,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
       for (int64_t r = 0; r < n; ++r) {                 // scores [n, seen]
         float* s = scores.data() + r * seen;
         const bool* m = mp ? mp + (b * T + (r0 + r) % T) * S : nullptr;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < seen; ++j) {
-          s[j] = j >= last[r] || (m && !m[j]) ? -INFINITY : s[j] * sc;
-          mx = std::max(mx, s[j]);
-        }
+        const float mx = scale_visible(s, seen, last[r], m, sc);
         total[r] = exp_lanes(s, seen, mx);           // s[j] = exp(s[j] - mx), their sum
       }
       weighted_values(n, scores.data(), seen, seen, vp + b * vb + h * vh, D, acc.data());
@@ -835,11 +859,7 @@ at::Tensor shared_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t r = 0; r < n; ++r) {
         float* s = scores.data() + r * seen;
         const bool* m = mp ? mp + row[r] * S : nullptr;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < seen; ++j) {         // columns before from[b]: masked
-          s[j] = j >= last[r] || (m && !m[j]) ? -INFINITY : s[j] * sc;
-          mx = std::max(mx, s[j]);
-        }
+        const float mx = scale_visible(s, seen, last[r], m, sc);   // before from[b]: masked
         total[r] = exp_lanes(s, seen, mx);
         std::memcpy(common.data() + r * P, s + f[row[r]], P * sizeof(float));
       }
