@@ -216,8 +216,12 @@ class Attention(nn.Module):
                            self.k_norm.weight.expand(a.num_kv_heads, -1)))
             qk = norm(qk, w, a.rms_eps)
         v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        qk = qk.transpose(1, 2)                                          # [B, h + kv, T, D]
-        qk = qk * cos + rotate_half(qk) * sin                            # one RoPE for q and k
+        ext = _inference_kernels(qk, cos)
+        if ext is not None:                    # the same bits in one pass (and the C++ step's)
+            qk = ext.rope_rows(qk, cos, sin)                             # [B, h + kv, T, D]
+        else:
+            qk = qk.transpose(1, 2)                                      # [B, h + kv, T, D]
+            qk = qk * cos + rotate_half(qk) * sin                        # one RoPE for q and k
         q, k = qk.split((a.num_heads, a.num_kv_heads), dim=1)
         dtype = cache.dtype if cache is not None else attention_dtype(x.dtype, x.device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

@@ -244,6 +244,25 @@ def test_prefill_attention_is_attention_and_a_prompt_in_pieces_gets_the_same_bit
         assert torch.equal(one.view(torch.int16), out[:, :, :, i:i + 1].view(torch.int16)), i
 
 
+@pytest.mark.parametrize("B,T,N,D", [(1, 1, 6, 64), (3, 17, 6, 64), (2, 5, 3, 32), (1, 40, 20, 128)])
+def test_rope_rows_is_the_aten_rotary_embedding_bit_for_bit(built, B, T, N, D):
+    """`rope_rows` (q and k rotated in one pass) against the eager bf16 formula it replaces,
+    `x * cos + rotate_half(x) * sin` on the transposed x: equal bit for bit, on values
+    spread over many magnitudes so that every rounding shows."""
+    from agent_runtime.model.model import rotate_half
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(B * 1000 + T * 10 + N)
+    x = (torch.randn(B, T, N, D, generator=g) * torch.rand(B, T, N, 1, generator=g).mul(20).exp2()
+         / 1024).bfloat16()
+    angle = torch.rand(B, T, D, generator=g) * 100
+    cos, sin = angle.cos().bfloat16()[:, None], angle.sin().bfloat16()[:, None]   # [B, 1, T, D]
+    xt = x.transpose(1, 2)
+    want = xt * cos + rotate_half(xt) * sin
+    got = ext.rope_rows(x, cos, sin)
+    assert got.shape == want.shape == (B, N, T, D)
+    assert torch.equal(got.view(torch.int16), want.contiguous().view(torch.int16))
+
+
 @pytest.mark.parametrize("width", [32, 40, 100, 1000, 1024])
 def test_rows_linear_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, width):
     """`rows_linear` for 1-8 rows against x @ w.T + b in float64: at most one bf16 step

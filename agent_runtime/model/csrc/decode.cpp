@@ -881,6 +881,48 @@ at::Tensor shared_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// Rotary embedding of q and k in bf16 without autograd, in one pass instead of six
+// operations: x [B, T, N, D] (the N = heads + kv heads of each position), cos and sin
+// [B, T, D]; returns [B, N, T, D] = x * cos + rotate_half(x) * sin with each product and the
+// sum rounded to bf16 as ATen rounds them (in fp32, to nearest even), so the bits are those of
+// `qk * cos + rotate_half(qk) * sin` on the transposed x.
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  RECORD_FUNCTION("apprentice::rope_rows", std::vector<c10::IValue>({x}));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+              sin.scalar_type() == at::kBFloat16 && x.dim() == 4,
+              "rope_rows: x [B, T, N, D], cos and sin [B, T, D], bf16");
+  const int64_t B = x.size(0), T = x.size(1), N = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              "rope_rows: cos and sin [B, T, D] with D even");
+  auto xc = x.contiguous();
+  auto cc = cos.reshape({B, T, D}).contiguous(), sc = sin.reshape({B, T, D}).contiguous();
+  auto out = at::empty({B, N, T, D}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cc.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(N * D, 1));
+  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      const uint16_t* c = cp + bt * D;
+      const uint16_t* s = sp + bt * D;
+      for (int64_t n = 0; n < N; ++n) {
+        const uint16_t* xi = xp + (bt * N + n) * D;
+        at::BFloat16* o = op + ((b * N + n) * T + t) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float v = bf16_to_float(xi[d]);
+          const float r = d < half ? -bf16_to_float(xi[d + half]) : bf16_to_float(xi[d - half]);
+          const float a = static_cast<float>(at::BFloat16(v * bf16_to_float(c[d])));
+          const float e = static_cast<float>(at::BFloat16(r * bf16_to_float(s[d])));
+          o[d] = at::BFloat16(a + e);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // A decode step's attention (one new token per row): q [B, KV, G, D], mask [B, S] or none;
 // `shared` columns the same in every row from its column from[b] on (or 0; `shared_attention`).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1026,8 +1068,12 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
     auto qk = at::cat({q.view({B, 1, heads, D}), k.view({B, 1, kv_heads, D})}, 2);
     if (qk_w.has_value()) qk = norm(qk, *qk_w, eps);
     v = v.view({B, 1, kv_heads, D}).transpose(1, 2);
-    qk = qk.transpose(1, 2);
-    qk = qk * cos + rotate_half(qk) * sin;
+    if (qk.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16) {
+      qk = rope_rows(qk, cos, sin);         // as `Attention.forward` with the extension
+    } else {
+      qk = qk.transpose(1, 2);
+      qk = qk * cos + rotate_half(qk) * sin;
+    }
     auto parts = qk.split_with_sizes({heads, kv_heads}, 1);
     auto dtype = k_cache_l.scalar_type();
     auto qd = parts[0].to(dtype), kd = parts[1].to(dtype), vd = v.to(dtype);
@@ -1075,4 +1121,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("shared") = 0, py::arg("from") = py::none());
   m.def("attention_rows", &attention_rows, "bf16 attention without autograd, row by row");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of bf16 rows without autograd");
+  m.def("rope_rows", &rope_rows, "rotary embedding of bf16 q and k without autograd");
 }
