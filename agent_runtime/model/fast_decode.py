@@ -148,8 +148,16 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
     a = model.args
     layers: list[torch.Tensor | None] = []
     biases: list[torch.Tensor | None] = []
-    for block in model.layers:
+    qkv: list[torch.Tensor | None] = []     # q, k, v's weights (and biases) in one, for bf16:
+    for block in model.layers:              # copies, made again by every `stepper` call
         att, moe = block.self_attn, block.mlp
+        projections = (att.q_proj, att.k_proj, att.v_proj)
+        with_bias = [p.bias is not None for p in projections]
+        if model.dtype == torch.bfloat16 and len(set(with_bias)) == 1:
+            qkv.append(torch.cat([p.weight for p in projections]))
+            qkv.append(torch.cat([p.bias for p in projections]) if with_bias[0] else None)
+        else:
+            qkv += [None, None]
         qk_w = None
         if a.qk_norm == "head":
             qk_w = torch.cat((att.q_norm.weight.expand(a.num_heads, -1),
@@ -173,7 +181,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
             raise ValueError(f"{past + 1} tokens exceed the context window ({a.max_position})")
         logits, routes = ext.decode_step(
             tokens, past, cache.valid, cos, sin, model.embed_tokens.weight, model.norm.weight,
-            model.lm_head.weight, layers, biases, cache.k, cache.v, a.num_heads,
+            model.lm_head.weight, layers, biases, qkv, cache.k, cache.v, a.num_heads,
             a.num_kv_heads, a.head_dim, a.top_k, a.norm_topk_prob, upcast, a.rms_eps, a.scale,
             cache.shared, cache.shared_from)
         cache.pos = past + 1

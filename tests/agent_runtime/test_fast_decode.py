@@ -43,10 +43,13 @@ def _both(monkeypatch, model, prompts, params, cache_mb=0, **kw):
     return out["0"], out["1"]
 
 
-@pytest.mark.parametrize("family", COVERED)
+@pytest.mark.parametrize("family", COVERED + ("qwen3_moe+bias",))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_cpp_step_is_bitwise_the_python_step(built, monkeypatch, tmp_path, family, dtype):
-    model = load_model(save_hf_checkpoint(family, tmp_path / "m"), dtype=dtype)
+    over = {"attention_bias": True} if family.endswith("+bias") else {}   # q, k, v, o biases
+    model = load_model(save_hf_checkpoint(family.split("+")[0], tmp_path / "m", **over),
+                       dtype=dtype)
+    assert model.layers[0].self_attn.q_proj.bias is not None or not over
     assert fast_decode.stepper(model) is not None
     for prompts, params, cache_mb in [
             (_prompts(13), SamplingParams(max_new_tokens=20), 0),

@@ -1021,7 +1021,8 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
 // tokens [B] long; past: columns already in the cache; valid [B, max_len] bool (the cache's
 // key padding, updated here); cos/sin [max_position, D] tables; layers: 10 tensors per layer
 // (input norm, q, k, v, o, q/k-norm weight [h + kv, D] or undefined, post norm, router,
-// gate_up, down); biases: 4 per layer (q, k, v, o; each may be None); k_cache/v_cache: per
+// gate_up, down); biases: 4 per layer (q, k, v, o; each may be None); qkv: 2 per layer, q, k
+// and v's weights and biases concatenated (bf16; None: three matmuls); k_cache/v_cache: per
 // layer [B, kv, max_len, D]; shared, shared_from: columns every row holds the same, from its
 // column shared_from[b] on (`KVCache.share`; 0 and None when unknown). Returns (logits
 // [B, 1, V], routes [B, 1, L, k]).
@@ -1031,6 +1032,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
                                     const at::Tensor& lm_head,
                                     const std::vector<c10::optional<at::Tensor>>& layers,
                                     const std::vector<c10::optional<at::Tensor>>& biases,
+                                    const std::vector<c10::optional<at::Tensor>>& qkv,
                                     const std::vector<at::Tensor>& k_cache,
                                     const std::vector<at::Tensor>& v_cache, int64_t heads,
                                     int64_t kv_heads, int64_t head_dim, int64_t top_k,
@@ -1062,9 +1064,19 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
     const at::Tensor& gate_up = *p[8]; const at::Tensor& down = *p[9];
     const auto& k_cache_l = k_cache[l];
     auto h = norm(x, in_norm, eps);
-    auto q = linear(h, wq, biases[4 * l], s);
-    auto k = linear(h, wk, biases[4 * l + 1], s);
-    auto v = linear(h, wv, biases[4 * l + 2], s);
+    at::Tensor q, k, v;
+    if (qkv[2 * l].has_value() && h.scalar_type() == at::kBFloat16 && B <= kRows) {
+      // one pass over q, k and v's weights together: `rows_linear`'s outputs depend only on
+      // their own weight rows, so the bits are the three calls'
+      auto all = rows_linear(h, *qkv[2 * l], qkv[2 * l + 1]);
+      q = all.slice(-1, 0, heads * D);
+      k = all.slice(-1, heads * D, (heads + kv_heads) * D);
+      v = all.slice(-1, (heads + kv_heads) * D, (heads + 2 * kv_heads) * D);
+    } else {
+      q = linear(h, wq, biases[4 * l], s);
+      k = linear(h, wk, biases[4 * l + 1], s);
+      v = linear(h, wv, biases[4 * l + 2], s);
+    }
     auto qk = at::cat({q.view({B, 1, heads, D}), k.view({B, 1, kv_heads, D})}, 2);
     if (qk_w.has_value()) qk = norm(qk, *qk_w, eps);
     v = v.view({B, 1, kv_heads, D}).transpose(1, 2);
