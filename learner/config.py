@@ -83,6 +83,9 @@ class RolloutConfig:
                                     # training logprobs are computed without filtering)
     backend: str = "local"          # async workers: "local" (threads or processes, above) or
                                     # "ray" (Ray actors; see RayConfig)
+    partial_credit: float = 0.0     # a failed, honest episode's reward: this times the share
+                                    # of the tests it left passing (0: pass/fail only), so a
+                                    # group that all fails still ranks what broke less
 
 
 @dataclass

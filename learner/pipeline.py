@@ -66,8 +66,20 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     eps = run_episodes(lambda _task: policy, [task] * config.group_size, store,
                        concurrency=config.concurrency, max_steps=config.max_steps,
                        should_stop=should_stop)
-    return Group(task.id, [Episode(e.session_id, float(e.reward), bool(e.passed)) for e in eps],
+    return Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
+                                   bool(e.passed)) for e in eps],
                  [store.samples(e.session_id) for e in eps])
+
+
+def shaped_reward(episode: Any, partial_credit: float) -> float:
+    """The training reward of a graded episode (`learner.rollout.Episode`): its reward (1
+    solved honestly, else 0), or for a failure that did not cheat, `partial_credit` times the
+    share of the tests it left passing: still below any pass, so GRPO's group advantage
+    ranks a failure that broke less above one that broke more."""
+    share = getattr(episode, "tests_share", None)
+    if episode.passed or episode.cheated or partial_credit <= 0 or share is None:
+        return float(episode.reward)
+    return partial_credit * share
 
 
 SIM_TASKS = 256                 # training instances a "sim" run cycles through

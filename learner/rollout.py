@@ -44,6 +44,7 @@ class Episode:
     detail: str = ""                           # the grade's one-line reason
     duration_s: float = 0.0                    # agent run and grading
     workspace: str | None = None               # kept only with keep_workspace=True
+    tests_share: float | None = None           # share of the tests run that passed (`Grade`)
 
 
 def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = None,
@@ -93,7 +94,8 @@ def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = Non
             shutil.rmtree(root, ignore_errors=True)
     return Episode(task.id, result.session_id, graded.reward, graded.passed, graded.cheated,
                    result.steps, tokens, result.status, task.family, task.split, graded.detail,
-                   time.monotonic() - start, str(workspace) if keep_workspace else None)
+                   time.monotonic() - start, str(workspace) if keep_workspace else None,
+                   graded.share)
 
 
 def run_episodes(policy_factory: Callable[[TaskInstance], Any], tasks: list[TaskInstance],
@@ -114,7 +116,8 @@ def run_episodes(policy_factory: Callable[[TaskInstance], Any], tasks: list[Task
 def record_reward(store, session_id: str, task: TaskInstance, graded: Grade) -> int:
     """Add the grade of `session_id` to the store's `rewards` table; returns the row id."""
     meta = {"violations": graded.violations, "exit_code": graded.exit_code,
-            "grade_s": round(graded.duration_s, 3), "difficulty": task.difficulty}
+            "grade_s": round(graded.duration_s, 3), "difficulty": task.difficulty,
+            "tests": list(graded.tests) if graded.tests else None}
     return store.add_reward(session_id, task.id, graded.reward, graded.passed,
                             family=task.family, split=task.split, cheated=graded.cheated,
                             detail=graded.detail, meta=meta)

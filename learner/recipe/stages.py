@@ -62,6 +62,8 @@ class GRPOStageConfig:
                                     # (`PipelineConfig.max_skipped`; 0: off)
     families: tuple[str, ...] = ()  # task families the stage draws from (empty: all), e.g. the
                                     # ones that come back mixed at its temperature
+    partial_credit: float = 0.0     # a failed episode's reward: this times the share of its
+                                    # tests passing (`RolloutConfig.partial_credit`; 0: off)
     trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
                                     # trainable`; empty: all), e.g. `learner.online.TRAINABLE`
 
@@ -293,7 +295,7 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
                                  trainable=tuple(g.trainable)),
         rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
-                                 workers=g.workers),
+                                 workers=g.workers, partial_credit=g.partial_credit),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
                                    seed=g.seed, curriculum=g.curriculum,
                                    max_skipped=g.max_skipped, revisit=g.revisit,

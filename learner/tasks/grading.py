@@ -63,6 +63,16 @@ class Grade:
     output: str = ""                           # tail of the test command's output
     exit_code: int | None = None
     duration_s: float = 0.0
+    tests: tuple[int, int] | None = None       # (passed, run) from pytest's summary, if any
+
+    @property
+    def share(self) -> float | None:
+        """The share of the tests run that passed (collection errors count as failures),
+        or None when the output has no pytest summary."""
+        if self.tests is None:
+            return None
+        passed, run = self.tests
+        return passed / run if run else 0.0
 
 
 def grade(task, workspace: Path, sandbox=None, transcript=None) -> Grade:
@@ -93,7 +103,23 @@ def grade(task, workspace: Path, sandbox=None, transcript=None) -> Grade:
         last = next((ln for ln in reversed(result.output.strip().splitlines()) if ln.strip()), "")
         detail = f"tests failed (exit {result.exit_code}): {last[:200]}"
     return Grade(1.0 if passed and not cheated else 0.0, passed, cheated, detail, violations,
-                 output, result.exit_code, time.monotonic() - start)
+                 output, result.exit_code, time.monotonic() - start, test_counts(result.output))
+
+
+SUMMARY = re.compile(r"^=*\s*(?:\d+ (?:passed|failed|errors?|skipped|deselected|xfailed|"
+                     r"xpassed|warnings?)(?:, )?)+ in [\d.]+s", re.M)
+
+
+def test_counts(output: str) -> tuple[int, int] | None:
+    """(passed, run) from the last pytest summary line of `output` ("2 failed, 3 passed in
+    0.05s", "1 error in 0.2s"; failures and errors both count as run), or None without one."""
+    lines = SUMMARY.findall(output)
+    if not lines:
+        return None
+    counts = {word.rstrip("s"): int(n) for n, word in
+              re.findall(r"(\d+) (passed|failed|errors?)", lines[-1])}
+    passed = counts.get("passed", 0)
+    return passed, passed + counts.get("failed", 0) + counts.get("error", 0)
 
 
 # ---------------------------------------------------------------- running the tests

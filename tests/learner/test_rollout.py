@@ -116,3 +116,28 @@ def test_commands_run_with_the_tasks_environment_and_this_python(store, tasks):
     episode = run_episode(ReplayPolicy(script), task, store)
     out = store.tool_calls(episode.session_id)[0]["result"]
     assert str(Path(sys.executable).parent) in out and "plugins=1" in out
+
+
+def test_a_failure_that_breaks_less_earns_more_partial_credit_and_cheats_none(store, tasks):
+    """With `partial_credit`, a failed honest episode's training reward is that weight times
+    the share of the tests it left passing (pytest's summary, recorded with the reward):
+    doing nothing keeps the passing tests, breaking the package's `__init__` fails them
+    all; a pass stays 1 and a cheat 0."""
+    from learner.pipeline import shaped_reward
+    task = tasks[1]
+    package = next(p for p in task.files if p.endswith("/__init__.py"))
+    idle = run_episode(ReplayPolicy([call("finish", summary="nothing to do")]), task, store)
+    broke = run_episode(ReplayPolicy([call("write_file", path=package, content="def (:\n"),
+                                      call("finish", summary="done")]), task, store)
+    cheat = run_episode(ReplayPolicy([call("write_file", path="tests/test_grading.py",
+                                           content="def test_ok():\n    assert True\n"),
+                                      call("finish", summary="done")]), task, store)
+    solved = run_episode(OraclePolicy(task), task, store)
+    assert not idle.passed and not broke.passed and cheat.cheated and solved.passed
+    (row,) = rewards(store, idle.session_id)
+    passed, run = row["meta"]["tests"]
+    assert 0 < passed < run and idle.tests_share == passed / run
+    assert broke.tests_share == 0.0
+    assert [shaped_reward(e, 0.0) for e in (idle, broke, cheat, solved)] == [0.0, 0.0, 0.0, 1.0]
+    assert [shaped_reward(e, 0.5) for e in (idle, broke, cheat, solved)] == \
+        [0.5 * passed / run, 0.0, 0.0, 1.0]
