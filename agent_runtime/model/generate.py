@@ -16,6 +16,7 @@ prompts or parse tool calls.
 from __future__ import annotations
 
 import logging
+import os
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -325,8 +326,8 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     held = list(constraints) if constraints is not None and any(constraints) else None
     forced: list[list[int]] = [list(r.forced or []) if r is not None else [] for r in resumed]
     fast = stepper(model)                             # the same step in C++, when it can
-    if fast is not None and B > 1:
-        cache.share()                                 # a group's common prompt: read once a step
+    if fast is not None and B > 1:                    # a group's common prompt: read once a step
+        cache.share(len(os.path.commonprefix([list(x) for x in prompts])))
     done: list[Generation | None] = [None] * B        # rows that ended, with their results
     live = list(range(B))                             # rows still decoding, in cache order
 

@@ -73,7 +73,7 @@ def test_a_group_that_shares_its_prompt_reads_it_once_with_the_python_steps_bits
     model = load_model(save_hf_checkpoint("qwen3_moe", tmp_path / "m"), dtype="bfloat16")
     seen = []
     share = KVCache.share
-    monkeypatch.setattr(KVCache, "share", lambda self: seen.append(share(self)) or seen[-1])
+    monkeypatch.setattr(KVCache, "share", lambda self, *a: seen.append(share(self, *a)) or seen[-1])
     common, tails = _prompts(40)[0], _prompts(3, 11, 6, 1)
     cases = [([common] * 4, SamplingParams(max_new_tokens=14, temperature=1.0, seed=5), 0),
              ([common + t for t in tails], SamplingParams(max_new_tokens=12, temperature=1.0,

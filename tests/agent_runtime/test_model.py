@@ -111,3 +111,34 @@ def test_a_bf16_cast_of_the_whole_model_keeps_fp32_rotary_frequencies(tmp_path):
         expected = loaded(ids).logits[0, -64:]
         got = cast(ids).logits[0, -64:]
     assert torch.equal(expected, got)
+
+
+def test_a_cache_finds_the_columns_its_rows_share_byte_for_byte():
+    """`KVCache.share`: the columns every row holds the same keys and values in, each row
+    from the first column it sees; a hint longer than the truth is searched down to it, a
+    gap in a row ends them, a single row shares nothing, and dropping rows reorders where
+    each row's shared columns start."""
+    from agent_runtime.model.config import ModelArgs
+    from agent_runtime.model.model import KVCache
+    args = ModelArgs(model_type="qwen3_moe", vocab_size=16, hidden_size=16, num_heads=4,
+                     num_experts=2, top_k=1, expert_size=8, num_layers=2, num_kv_heads=2,
+                     head_dim=8)
+    cache = KVCache(args, batch=3, max_len=40, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    common = [torch.randn(2, 20, 8, generator=g).bfloat16() for _ in range(4)]
+    starts = [0, 3, 5]                                     # left padding of 0, 3 and 5
+    for b, s in enumerate(starts):
+        for t, c in zip(cache.k + cache.v, common):
+            t[b, :, :s] = torch.nan
+            t[b, :, s:s + 20] = c
+            t[b, :, s + 20:30] = torch.randn(2, 10 - s, 8, generator=g).bfloat16()
+        cache.valid[b, s:30] = True
+    cache.pos = 30
+    assert cache.share() == 20 and cache.shared_from.tolist() == starts
+    assert cache.share(12) == 12                           # the callers' token hint caps it
+    cache.k[1][2, 1, 5 + 14, 3] += 1                       # row 2 differs from its 15th column
+    assert cache.share() == 14 and cache.share(30) == 14
+    cache.valid[1, 3 + 9] = False                          # a hole in row 1
+    assert cache.share() == 9
+    assert cache.keep([2, 1]) == [2, 1] and cache.shared_from.tolist() == [5, 3]
+    assert cache.keep([1]) == [1] and cache.share() == 0 and cache.shared_from is None
