@@ -16,8 +16,8 @@ prompts or parse tool calls.
 from __future__ import annotations
 
 import logging
-import os
 import math
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence

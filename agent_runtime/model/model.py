@@ -76,7 +76,7 @@ class KVCache:
         (`keep`) keeps it true, and later steps write after it."""
         self.shared, self.shared_from = 0, None
         B, n = self.valid.shape[0], self.pos
-        if B < 2 or not n or not self.k:
+        if B < 2 or not n or not self.k or self.k[0].device.type != "cpu":
             return 0
         valid = self.valid[:, :n]
         if not bool(valid.any(1).all()):
@@ -91,8 +91,6 @@ class KVCache:
             span = min(span, common)
         first = start.tolist()
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-        if self.k[0].device.type != "cpu":
-            return 0
         arrays = [t.view(bits[t.element_size()]).numpy() for t in self.k + self.v]
 
         def same(width: int) -> bool:                     # numpy: ~5x torch.equal's speed

@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
-#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -374,10 +373,15 @@ constexpr int kBlock = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
 // Its fp32 sums run in another order than the AVX512 loop's above, so a result may differ
 // from the loop's by one bf16 step (rounded once to bf16, they mostly agree).
 
+// Whether environment variable `name` is "0" (a switch turned off), read by each caller once.
+bool switched_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, "0") == 0;
+}
+
 bool amx_ready() {
   static const bool ok = [] {
-    const char* env = std::getenv("APPRENTICE_AMX");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (switched_off("APPRENTICE_AMX")) return false;
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
@@ -429,10 +433,7 @@ void amx_range(int64_t M, const uint16_t* x, const uint16_t* w, int64_t N, int64
     }
   };
   const int64_t stride = K * 2;
-  static const bool prefetch = [] {
-    const char* env = std::getenv("APPRENTICE_PREFETCH");
-    return !(env && std::string(env) == "0");
-  }();
+  static const bool prefetch = !switched_off("APPRENTICE_PREFETCH");
   int64_t n = begin;
   for (; n + 32 <= end; n += 32) {                   // two blocks of 16 rows at a time
     const uint16_t* a = w + n * K;
