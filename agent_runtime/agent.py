@@ -32,7 +32,7 @@ from agent_runtime import names
 from agent_runtime.names import ORIGIN_USER
 from agent_runtime.callgrammar import CallGrammar, WorkspaceView
 from agent_runtime.mentions import with_mentions, workspace_files
-from agent_runtime.policies.base import Completion, Policy, constrains
+from agent_runtime.policies.base import Completion, Policy, constrains, remembers
 from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, tool_schema
 
@@ -257,6 +257,8 @@ class Agent:
         message: dict[str, Any] = {"role": "assistant", "content": turn.content}
         if any(c.name is not None for c in calls):
             message["tool_calls"] = [c.as_message_call() for c in calls if c.name is not None]
+        if remembers(self.policy):             # later prompts feed this call's ids as written
+            self.policy.remember(message, completion)
         with self.store.transaction():
             message_id = self._record(message)
             sample_id = self._add_sample(completion, message_id, self.context.segment)

@@ -1,7 +1,8 @@
 """What every policy is: the `Policy` protocol the agent loop depends on, the `Completion` a
-model call returns, the three optional capabilities (`complete_many`: decoding several calls
-as one batch; `swap_state`: weights that a newer version can replace; `grammar=`: tool calls
-held to what can run) and where checkpoints are found.
+model call returns, the optional capabilities (`complete_many`: decoding several calls as one
+batch; `swap_state`: weights that a newer version can replace; `grammar=`: tool calls held to
+what can run; `remember`: earlier turns fed as the ids written) and where checkpoints are
+found.
 
 This module imports nothing from the project, so every other module of the package (and
 `agent_runtime.context`) can import it: the policies' imports run one way, from
@@ -83,6 +84,13 @@ def constrains(policy: Any) -> bool:
     `complete_many(..., grammar=[...])`) write only calls that `grammar` accepts
     (`agent_runtime.callgrammar`)."""
     return bool(getattr(policy, "accepts_grammar", False))
+
+
+def remembers(policy: Any) -> bool:
+    """Whether `policy` feeds its own earlier turns as the ids it wrote (token in, token
+    out; the engine does): `remember(message, completion)` tells it which assistant message
+    of the agent's context a completion became."""
+    return callable(getattr(policy, "remember", None))
 
 
 def has_weights(policy: Any) -> bool:

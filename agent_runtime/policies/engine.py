@@ -12,7 +12,9 @@ not parse tool calls (the agent loop does) and never imports the learner.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -44,6 +46,8 @@ class EngineConfig:
     loop_fallback: tuple[float, ...] = (0.7, 1.0)   # a call that ended in a loop is sampled
                                             # again at each of these temperatures (above the
                                             # configured one) until one does not loop
+    exact_history: bool = True              # feed the model's own earlier turns as the ids it
+                                            # wrote, not re-rendered (`EnginePolicy.render`)
 
 
 @dataclass
@@ -74,6 +78,47 @@ class TokenBytes:
         return self.tokenizer.decode_bytes([token])
 
 
+def _key(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+class _Said:
+    """What `EnginePolicy.render` continues: the policy's latest calls (by the `Completion`
+    object, with their prompt's rendered text, hashed), and the assistant messages the agent
+    made of them (by the message object, `EnginePolicy.remember`) with the ids fed and
+    generated. Bounded; thread-safe."""
+
+    def __init__(self, calls: int = 64, messages: int = 512):
+        self.sizes = {"calls": calls, "messages": messages}
+        self._calls: OrderedDict[int, tuple[Completion, bytes]] = OrderedDict()
+        self._messages: OrderedDict[int, tuple[dict, bytes, list[int]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _put(self, name: str, key: int, value: tuple) -> None:
+        table = getattr(self, f"_{name}")
+        with self._lock:
+            table.pop(key, None)
+            table[key] = value
+            while len(table) > self.sizes[name]:
+                table.popitem(last=False)
+
+    def call(self, completion: Completion, text: str) -> None:
+        self._put("calls", id(completion), (completion, _key(text)))
+
+    def message(self, message: dict, completion: Completion) -> None:
+        with self._lock:
+            made = self._calls.pop(id(completion), None)
+        if made is not None and made[0] is completion:
+            fed = list(completion.prompt_ids) + list(completion.completion_ids)
+            self._put("messages", id(message), (message, made[1], fed))
+
+    def get(self, message: dict) -> tuple[bytes, list[int]] | None:
+        """(the hashed prompt text, the ids fed and generated) of `message`, if remembered."""
+        with self._lock:
+            said = self._messages.get(id(message))
+        return said[1:] if said is not None and said[0] is message else None
+
+
 class EnginePolicy:
     """A checkpoint + tokenizer + chat template, usable by the agent loop and directly."""
 
@@ -92,9 +137,11 @@ class EnginePolicy:
         self._lock = threading.Lock()
         self._tokens: TokenBytes | None = None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_mb * 2**20)
+        self._said = _Said()
         specials = getattr(tokenizer, "special_tokens", {}) or {}
         self.stop_token_ids = sorted({specials[t] for t in END_OF_TURN if t in specials}
                                      | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+        self._end_texts = [e for e in (tokenizer.decode([t]) for t in self.stop_token_ids) if e]
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes token id `token` decodes to (the tokenizer's own table)."""
@@ -122,8 +169,53 @@ class EnginePolicy:
 
     # -- prompts -------------------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+        """The prompt ids of `messages`. Token in, token out (`EngineConfig.exact_history`):
+        when the last assistant message is one the agent made of this policy's call
+        (`remember`) and the messages before it are still that call's prompt, the prompt is
+        that call's ids as fed and generated, then the rest rendered; otherwise the whole
+        conversation rendered. Re-rendering differs from what the model wrote wherever it
+        sampled ids the tokenizer's merges would not produce, wrote a tool call's JSON with
+        other spacing or argument order, or wrote a call the loop could not run: the model
+        would read a past it did not write, the prefix cache would miss from there on, and
+        the trainer could not score an episode's calls in one row."""
+        text = self._text(messages, tools)
+        return self._continued(messages, tools, text) or self.tokenizer.encode(text)
+
+    def remember(self, message: dict, completion: Completion) -> None:
+        """The agent made assistant message `message` (the object in its context) of
+        `completion`, a call of this policy: prompts that go on from it feed the ids the model
+        wrote (`render`). A no-op for completions this policy did not make lately."""
+        if self.config.exact_history:
+            self._said.message(message, completion)
+
+    def _text(self, messages: list[dict], tools: list[dict] | None,
+              add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages, tools=tools or None,
+                                    add_generation_prompt=add_generation_prompt)
+
+    def _continued(self, messages: list[dict], tools: list[dict] | None,
+                   text: str) -> list[int] | None:
+        """`render`'s exact history, or None when the conversation does not go on from a
+        remembered call with the prompt it had."""
+        if not self.config.exact_history:
+            return None
+        k = next((i for i in range(len(messages) - 1, 0, -1)
+                  if messages[i].get("role") == "assistant"), None)
+        said = self._said.get(messages[k]) if k is not None else None
+        if said is None:
+            return None
+        key, fed = said
+        before = self._text(messages[:k], tools)
+        through = self._text(messages[:k + 1], tools, add_generation_prompt=False)
+        if _key(before) != key or not through.startswith(before) or not text.startswith(through):
+            return None
+        ends = [through.rfind(e) for e in self._end_texts]      # where the turn's end is
+        cut = max(ends, default=-1)
+        if cut < len(before):
+            return None
+        if fed[-1] in self.stop_token_ids:                  # the model ended its turn itself
+            cut += len(self._end_texts[ends.index(cut)])
+        return fed + self.tokenizer.encode(through[cut:] + text[len(through):])
 
     def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
         return len(self.render(messages, tools))
@@ -221,12 +313,14 @@ class EnginePolicy:
         if len(resume) != n:
             raise ValueError(f"complete_many: {n} conversations but {len(resume)} resume entries")
         skip = set(self.stop_token_ids)
-        prompts, streams, seeds = [], [], []
+        prompts, streams, seeds, texts = [], [], [], []
         for m, t, sink, state in zip(conversations, tools, on_text, resume):
             going_on = state is not None and state.version == self.version
             if state is not None and not going_on:
                 state.stream.restart("\n[the weights changed: generating again]\n")
-            prompts.append(state.prompt if going_on else self.render(m, t))
+            texts.append(self._text(m, t))
+            prompts.append(state.prompt if going_on
+                           else self._continued(m, t, texts[-1]) or self.tokenizer.encode(texts[-1]))
             streams.append(state.stream if state is not None
                            else _TextStream(self.tokenizer, skip, sink))
             seeds.append(state.generation if going_on else None)
@@ -240,6 +334,7 @@ class EnginePolicy:
                     or self._hotter(gen, temperature)):
                 return
             delivered[i] = self._completion(prompts[i], gen, version, temperature, skip)
+            self._said.call(delivered[i], texts[i])
             on_complete(i, delivered[i])
 
         gens, version = self._generate(
@@ -274,6 +369,9 @@ class EnginePolicy:
                in enumerate(zip(prompts, gens, versions, temps))]
         for i, state in paused.items():
             out[i].meta["paused"] = state
+        for i, c in enumerate(out):
+            if i not in delivered and i not in paused:
+                self._said.call(c, texts[i])
         return out
 
     def _hotter(self, gen: Generation, temperature: float) -> list[float]:

@@ -111,3 +111,56 @@ def test_complete_many_hands_over_each_row_once_and_a_looping_one_after_its_retr
     assert [i for i, _ in handed] == [1, 0]       # the cancelled row at once, the looping
     assert handed[0][1] is out[1] and handed[1][1] is out[0]      # one after its retry
     assert out[0].temperature == 0.7 and out[1].finish_reason == "cancelled"
+
+
+
+def test_a_later_call_feeds_the_ids_the_model_wrote_not_a_re_rendering(policy):
+    c = policy.complete(MESSAGES)                 # random weights: ids no merge would make
+    assert c.finish_reason == "length"
+    said = {"role": "assistant", "content": "Reading calc.py."}   # what the loop made of it
+    policy.remember(said, c)
+    later = MESSAGES + [said, {"role": "user", "content": "Go on."}]
+    text = policy.template.render(later)
+    ids = policy.render(later)
+    assert ids[:len(c.prompt_ids) + len(c.completion_ids)] == c.prompt_ids + c.completion_ids
+    rest = text[text.rindex("<|im_end|>", 0, text.index("Go on.")):]   # the turn was cut off:
+    assert ids[len(c.prompt_ids) + len(c.completion_ids):] == policy.tokenizer.encode(rest)
+    assert policy.count_tokens(later) == len(ids)
+    canonical = policy.tokenizer.encode(text)
+    assert ids != canonical
+    # an equal message the agent did not make of it, other messages before it, or the
+    # switch off: the conversation rendered
+    assert policy.render(MESSAGES + [dict(said), later[-1]]) == canonical
+    edited = [{**MESSAGES[0], "content": "You are another test."}] + later[1:]
+    assert policy.render(edited) == policy.tokenizer.encode(policy.template.render(edited))
+    plain = load_policy(policy.name, exact_history=False, max_new_tokens=24)
+    plain.remember(said, plain.complete(MESSAGES))
+    assert plain.render(later) == canonical
+
+
+def test_a_turn_the_model_ended_goes_on_after_its_own_end_token(tmp_path):
+    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
+    policy = load_policy(str(path), max_new_tokens=8)
+    with torch.no_grad():
+        policy.model.norm.weight.zero_()         # every logit 0: greedy writes token 0, an end
+    c = policy.complete(MESSAGES)
+    assert c.completion_ids == [0] and 0 in policy.stop_token_ids
+    said = {"role": "assistant", "content": ""}
+    policy.remember(said, c)
+    later = MESSAGES + [said, {"role": "user", "content": "Go on."}]
+    text = policy.template.render(later)
+    assert text[len(policy.template.render(MESSAGES)):].startswith("<|im_end|>\n")   # not token 0
+    rest = text[text.rindex("<|im_end|>", 0, text.index("Go on.")) + len("<|im_end|>"):]
+    assert policy.render(later) == c.prompt_ids + [0] + policy.tokenizer.encode(rest)
+
+
+def test_an_agent_episodes_calls_each_extend_the_last_one(policy, tmp_path):
+    (tmp_path / "ws").mkdir()
+    store = SessionStore(tmp_path / "home")
+    result = Agent(policy, store=store, workspace=tmp_path / "ws",
+                   config=AgentConfig(max_steps=3)).run("Say hello.")
+    samples = store.samples(result.session_id)
+    assert len(samples) == 3
+    for a, b in zip(samples, samples[1:]):        # random ids, re-rendered, would not
+        fed = list(a["prompt_ids"]) + list(a["completion_ids"])
+        assert list(b["prompt_ids"][:len(fed)]) == fed
