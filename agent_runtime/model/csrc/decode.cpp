@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -1137,6 +1138,314 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
   return {logits, at::stack(routes, 2)};
 }
 
+// ---- causal attention for training: forward with its log-sum-exp, and backward -----------
+// What `scaled_dot_product_attention(q, k, v, is_causal=True, scale=, enable_gqa=True)` and
+// its backward compute for bf16 q [B, H, S, D] and k, v [B, KV, S, D] (D % 32 == 0), on AMX
+// tiles. PyTorch's CPU flash kernel spent ~5x its forward's time in its backward here (the
+// GRPO trainer: 38 % of a step in attention, 32 % in its backward alone). Flash attention's
+// plan: per (row, kv head), the G query heads' rows of one block of 64 positions as the
+// tiles' rows (M = 64 G), scored against the keys they see (causal, so the block's last
+// position bounds them); the probabilities are recomputed in the backward from the saved
+// log-sum-exp instead of stored. Each product's right operand is packed once per (row, kv
+// head) in the pairs layout TDPBF16PS takes (keys and values, both ways), so the tiles' sums
+// land row-major. Softmax in fp32 (`scale_visible`, `exp_lanes`), probabilities rounded to
+// bf16 before they meet the values (as a bf16 math path does); gradients accumulated in fp32.
+#if defined(APPRENTICE_AMX)
+namespace {
+
+constexpr int64_t kQBlock = 64;                      // positions per query block
+
+inline int64_t up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// The pairs layout of x [R, C] (row stride ld) as the right operand of a product over its
+// rows: out[(r / 2) * 2 C' + 2 c + r % 2] = x[r, c] (C' = `cols`, zero past C and R; rows
+// padded to `rows`, even).
+void pack_rows(const uint16_t* x, int64_t R, int64_t C, int64_t ld, int64_t rows, int64_t cols,
+               uint16_t* out) {
+  if (C % 32 || cols != C) {
+    std::fill(out, out + rows * cols, uint16_t{0});
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) out[(r / 2) * 2 * cols + 2 * c + r % 2] = x[r * ld + c];
+    return;
+  }
+  static const auto order = [] {                     // lanes of two rows' 32 values, paired
+    std::array<std::array<uint16_t, 32>, 2> idx{};
+    for (int half = 0; half < 2; ++half)
+      for (int i = 0; i < 32; ++i) idx[half][i] = (i % 2) * 32 + half * 16 + i / 2;
+    return idx;
+  }();
+  const __m512i lo = _mm512_loadu_si512(order[0].data()), hi = _mm512_loadu_si512(order[1].data());
+  for (int64_t r = 0; r < rows; r += 2) {
+    uint16_t* o = out + r * C;
+    for (int64_t c = 0; c < C; c += 32) {
+      const __m512i a = r < R ? _mm512_loadu_si512(x + r * ld + c) : _mm512_setzero_si512();
+      const __m512i b = r + 1 < R ? _mm512_loadu_si512(x + (r + 1) * ld + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(o + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// The pairs layout of x^T, x [R, C] (row stride ld): the right operand of a product over x's
+// columns, out[(c / 2) * 2 R' + 2 r + c % 2] = x[r, c] (R' = `rows`, zero past R; C even).
+void pack_cols(const uint16_t* x, int64_t R, int64_t C, int64_t ld, int64_t rows, uint16_t* out) {
+  std::fill(out, out + rows * C, uint16_t{0});
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) out[(c / 2) * 2 * rows + 2 * r + c % 2] = x[r * ld + c];
+}
+
+// c [M, N] (row stride ldc, fp32) = a [M, K] (bf16, row stride lda) @ b, where b [K, N] is
+// packed by pairs of its rows (row stride of the packing: 2 * ldb elements, N <= ldb, both
+// multiples of 16; K % 32 == 0), or c += that product with `add`. M may be any: a's last
+// rows are padded.
+void tile_mm(int64_t M, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+             int64_t N, int64_t K, float* c, int64_t ldc, bool add) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  thread_local std::vector<uint16_t> spare;
+  alignas(64) float tmp[2][16 * 16];
+  for (int64_t m = 0; m < M; m += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - m);
+    const uint16_t* ar = a + m * lda;
+    int64_t la = lda;
+    if (rows < 16) {                                 // the last rows, padded with zeros
+      spare.assign(16 * K, 0);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(&spare[r * K], ar + r * lda, K * 2);
+      ar = spare.data();
+      la = K;
+    }
+    for (int64_t n = 0; n < N; n += 32) {
+      const bool two = n + 16 < N;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(2, ar + k, la * 2);
+        _tile_loadd(4, b + (k / 2) * 2 * ldb + 2 * n, ldb * 4);
+        _tile_dpbf16ps(0, 2, 4);
+        if (two) {
+          _tile_loadd(5, b + (k / 2) * 2 * ldb + 2 * (n + 16), ldb * 4);
+          _tile_dpbf16ps(1, 2, 5);
+        }
+      }
+      for (int h = 0; h < (two ? 2 : 1); ++h) {
+        const int64_t n0 = n + 16 * h, width = std::min<int64_t>(16, N - n0);
+        if (!add && rows == 16 && width == 16) {       // straight into c
+          if (h == 0) _tile_stored(0, c + m * ldc + n0, ldc * 4);
+          else _tile_stored(1, c + m * ldc + n0, ldc * 4);
+          continue;
+        }
+        if (h == 0) _tile_stored(0, tmp[0], 64);
+        else _tile_stored(1, tmp[1], 64);
+        const __mmask16 live = width >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* out = c + (m + r) * ldc + n0;
+          __m512 v = _mm512_loadu_ps(tmp[h] + r * 16);
+          if (add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, out));
+          _mm512_mask_storeu_ps(out, live, v);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// out[j] = bf16(x[j] * f) for j < n, 0 for n <= j < width (width % 16 == 0)
+inline void to_bf16_row(const float* x, int64_t n, int64_t width, uint16_t* out, float f = 1.0f) {
+  const __m512 by = _mm512_set1_ps(f);
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t live = std::max<int64_t>(0, std::min<int64_t>(16, n - j));
+    const __mmask16 keep = live >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(
+                                                                 _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, x + j), by)));
+  }
+}
+
+struct Heads {                                      // one (row, kv head)'s tensors as rows
+  int64_t B, H, KV, G, S, D;
+  const uint16_t* q(const at::Tensor& t, int64_t b, int64_t hq) const {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()) + ((b * H + hq) * S) * D;
+  }
+  const uint16_t* kv(const at::Tensor& t, int64_t b, int64_t h) const {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()) + ((b * KV + h) * S) * D;
+  }
+};
+
+Heads heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* name) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16 && q.dim() == 4 && k.dim() == 4 &&
+              k.sizes() == v.sizes(), name, ": bf16 q [B, H, S, D], k and v [B, KV, S, D]");
+  Heads x{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3)};
+  TORCH_CHECK(k.size(0) == x.B && k.size(2) == x.S && k.size(3) == x.D && x.H % x.KV == 0 &&
+              x.D % 32 == 0 && amx_ready(), name, ": shapes that do not fit, or no AMX");
+  return x;
+}
+
+// The G heads' rows of positions [r0, r0 + n) of t [B, H, S, D] as one block [G n, D].
+void gather_block(const Heads& x, const at::Tensor& t, int64_t b, int64_t h, int64_t r0,
+                  int64_t n, uint16_t* out) {
+  for (int64_t g = 0; g < x.G; ++g)
+    std::memcpy(out + g * n * x.D, x.q(t, b, h * x.G + g) + r0 * x.D, n * x.D * 2);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> attention_train(const at::Tensor& q_, const at::Tensor& k_,
+                                        const at::Tensor& v_, double scale) {
+  RECORD_FUNCTION("apprentice::attention_train", std::vector<c10::IValue>({q_, k_}));
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const Heads x = heads(q, k, v, "attention_train");
+  const int64_t S = x.S, D = x.D, Sp = up(S, 32);
+  auto out = at::empty({x.B, x.H, S, D}, q.options());
+  auto lse = at::empty({x.B, x.H, S}, q.options().dtype(at::kFloat));
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  float* lp = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, x.B * x.KV, 1, [&](int64_t begin, int64_t end) {
+    const int64_t M = x.G * kQBlock;
+    std::vector<uint16_t> kt(D * Sp), vp(Sp * D), a(M * D), p(M * Sp);
+    std::vector<float> s(M * Sp), o(M * D);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / x.KV, h = job % x.KV;
+      pack_cols(x.kv(k, b, h), S, D, D, Sp, kt.data());    // k^T: [D, S] by pairs of D
+      pack_rows(x.kv(v, b, h), S, D, D, Sp, D, vp.data());  // v: [S, D] by pairs of positions
+      for (int64_t r0 = 0; r0 < S; r0 += kQBlock) {
+        const int64_t n = std::min(kQBlock, S - r0), L = r0 + n, Lp = up(L, 32), rows = x.G * n;
+        gather_block(x, q, b, h, r0, n, a.data());
+        tile_mm(rows, a.data(), D, kt.data(), Sp, L, D, s.data(), Lp, false);  // [rows, L]
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t g = m / n, t = r0 + m % n;
+          float* sr = s.data() + m * Lp;
+          const float mx = scale_visible(sr, L, t + 1, nullptr, sc);
+          const float total = exp_lanes(sr, L, mx);
+          lp[(b * x.H + h * x.G + g) * S + t] = mx + std::log(total);
+          to_bf16_row(sr, L, Lp, p.data() + m * Lp, 1.0f / total);
+        }
+        tile_mm(rows, p.data(), Lp, vp.data(), D, D, Lp, o.data(), D, false);  // [rows, D]
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t g = m / n, t = r0 + m % n;
+          to_bf16_row(o.data() + m * D, D, D, op + ((b * x.H + h * x.G + g) * S + t) * D);
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> attention_train_backward(const at::Tensor& dout_, const at::Tensor& q_,
+                                                 const at::Tensor& k_, const at::Tensor& v_,
+                                                 const at::Tensor& out_, const at::Tensor& lse_,
+                                                 double scale) {
+  RECORD_FUNCTION("apprentice::attention_train_backward", std::vector<c10::IValue>({q_, k_}));
+  const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+  const at::Tensor dout = dout_.to(at::kBFloat16).contiguous(), out = out_.contiguous();
+  const at::Tensor lse = lse_.contiguous();
+  const Heads x = heads(q, k, v, "attention_train_backward");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+              "attention_train_backward: dout and out shaped as q");
+  const int64_t S = x.S, D = x.D, Sp = up(S, 32);
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  const float* lp = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  auto rows_of = [](at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  uint16_t *dqp = rows_of(dq), *dkp = rows_of(dk), *dvp = rows_of(dv);
+  at::parallel_for(0, x.B * x.KV, 1, [&](int64_t begin, int64_t end) {
+    const int64_t M = x.G * kQBlock, Mp = up(M, 32);
+    std::vector<uint16_t> kt(D * Sp), kn(Sp * D), vt(D * Sp), a(M * D), da(M * D), p(M * Sp),
+        ds(M * Sp), at_(D * Mp), dat(D * Mp), pp(Mp * Sp);
+    std::vector<float> s(M * Sp), dp(M * Sp), di(M), dqa(M * D), dkt(D * Sp), dvt(D * Sp);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / x.KV, h = job % x.KV;
+      pack_cols(x.kv(k, b, h), S, D, D, Sp, kt.data());    // k^T by pairs of D (scores)
+      pack_rows(x.kv(k, b, h), S, D, D, Sp, D, kn.data());  // k by pairs of positions (dq)
+      pack_cols(x.kv(v, b, h), S, D, D, Sp, vt.data());    // v^T by pairs of D (dp)
+      std::fill(dkt.begin(), dkt.end(), 0.0f);
+      std::fill(dvt.begin(), dvt.end(), 0.0f);
+      for (int64_t r0 = 0; r0 < S; r0 += kQBlock) {
+        const int64_t n = std::min(kQBlock, S - r0), L = r0 + n, Lp = up(L, 32), rows = x.G * n;
+        const int64_t rp = up(rows, 32);
+        gather_block(x, q, b, h, r0, n, a.data());
+        gather_block(x, dout, b, h, r0, n, da.data());
+        for (int64_t m = 0; m < rows; ++m) {           // D_i = dout_i . out_i
+          const uint16_t* o = x.q(out, b, h * x.G + m / n) + (r0 + m % n) * D;
+          const uint16_t* d = da.data() + m * D;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t j = 0; j < D; j += 16)
+            acc = _mm512_fmadd_ps(widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + j))),
+                                  widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + j))), acc);
+          di[m] = _mm512_reduce_add_ps(acc);
+        }
+        tile_mm(rows, a.data(), D, kt.data(), Sp, L, D, s.data(), Lp, false);     // scores
+        tile_mm(rows, da.data(), D, vt.data(), Sp, L, D, dp.data(), Lp, false);   // dout v^T
+        for (int64_t m = 0; m < rows; ++m) {
+          const int64_t g = m / n, t = r0 + m % n;
+          float* sr = s.data() + m * Lp;
+          float* dr = dp.data() + m * Lp;
+          const __m512 l = _mm512_set1_ps(lp[(b * x.H + h * x.G + g) * S + t]);
+          const __m512 scv = _mm512_set1_ps(sc), dim = _mm512_set1_ps(di[m]);
+          uint16_t* pb = p.data() + m * Lp;
+          uint16_t* db = ds.data() + m * Lp;
+          for (int64_t j = 0; j < Lp; j += 16) {         // p = exp(s sc - lse); ds = p (dp - D_i) sc
+            const int64_t live = std::max<int64_t>(0, std::min<int64_t>(16, t + 1 - j));
+            const __mmask16 keep = live >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+            const __m512 pr = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(
+                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, sr + j), scv), l)));
+            const __m512 dv = _mm512_mul_ps(_mm512_mul_ps(pr, _mm512_sub_ps(
+                                  _mm512_maskz_loadu_ps(keep, dr + j), dim)), scv);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(pr));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(db + j), (__m256i)_mm512_cvtneps_pbh(dv));
+          }
+        }
+        // dq = ds k (rows x D), written to the G heads' rows
+        tile_mm(rows, ds.data(), Lp, kn.data(), D, D, Lp, dqa.data(), D, false);
+        for (int64_t m = 0; m < rows; ++m)
+          to_bf16_row(dqa.data() + m * D, D, D,
+                      dqp + ((b * x.H + h * x.G + m / n) * S + r0 + m % n) * D);
+        // dv^T += dout^T p and dk^T += q^T ds: [D, L], over the block's rows
+        for (int64_t d = 0; d < D; ++d)                      // dout^T, q^T as [D, rows]
+          for (int64_t m = 0; m < rp; ++m) {
+            dat[d * rp + m] = m < rows ? da[m * D + d] : 0;
+            at_[d * rp + m] = m < rows ? a[m * D + d] : 0;
+          }
+        pack_rows(p.data(), rows, Lp, Lp, rp, Lp, pp.data());
+        tile_mm(D, dat.data(), rp, pp.data(), Lp, L, rp, dvt.data(), Sp, true);
+        pack_rows(ds.data(), rows, Lp, Lp, rp, Lp, pp.data());
+        tile_mm(D, at_.data(), rp, pp.data(), Lp, L, rp, dkt.data(), Sp, true);
+      }
+      uint16_t* dko = dkp + ((b * x.KV + h) * S) * D;
+      uint16_t* dvo = dvp + ((b * x.KV + h) * S) * D;
+      for (int64_t t = 0; t < S; ++t)
+        for (int64_t d = 0; d < D; ++d) {
+          dko[t * D + d] = at::BFloat16(dkt[d * Sp + t]).x;
+          dvo[t * D + d] = at::BFloat16(dvt[d * Sp + t]).x;
+        }
+    }
+  });
+  return {dq, dk, dv};
+}
+#else
+std::vector<at::Tensor> attention_train(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        double) {
+  TORCH_CHECK(false, "attention_train: built without AMX");
+}
+std::vector<at::Tensor> attention_train_backward(const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const at::Tensor&, double) {
+  TORCH_CHECK(false, "attention_train_backward: built without AMX");
+}
+#endif
+
+bool has_amx() {
+#if defined(APPRENTICE_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "one decode step of MoEModel");
   m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
@@ -1147,4 +1456,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_rows", &attention_rows, "bf16 attention without autograd, row by row");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of bf16 rows without autograd");
   m.def("rope_rows", &rope_rows, "rotary embedding of bf16 q and k without autograd");
+  m.def("attention_train", &attention_train, "causal bf16 attention and its log-sum-exp (AMX)");
+  m.def("attention_train_backward", &attention_train_backward, "its backward: dq, dk, dv");
+  m.def("has_amx", &has_amx, "whether AMX tiles serve (built with them, granted by Linux)");
 }
