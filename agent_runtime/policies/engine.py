@@ -178,8 +178,7 @@ class EnginePolicy:
         other spacing or argument order, or wrote a call the loop could not run: the model
         would read a past it did not write, the prefix cache would miss from there on, and
         the trainer could not score an episode's calls in one row."""
-        text = self._text(messages, tools)
-        return self._continued(messages, tools, text) or self.tokenizer.encode(text)
+        return self._ids(messages, tools, self._text(messages, tools))
 
     def remember(self, message: dict, completion: Completion) -> None:
         """The agent made assistant message `message` (the object in its context) of
@@ -192,6 +191,10 @@ class EnginePolicy:
               add_generation_prompt: bool = True) -> str:
         return self.template.render(messages, tools=tools or None,
                                     add_generation_prompt=add_generation_prompt)
+
+    def _ids(self, messages: list[dict], tools: list[dict] | None, text: str) -> list[int]:
+        """`render` of `messages`, whose rendered `text` the caller has."""
+        return self._continued(messages, tools, text) or self.tokenizer.encode(text)
 
     def _continued(self, messages: list[dict], tools: list[dict] | None,
                    text: str) -> list[int] | None:
@@ -319,8 +322,7 @@ class EnginePolicy:
             if state is not None and not going_on:
                 state.stream.restart("\n[the weights changed: generating again]\n")
             texts.append(self._text(m, t))
-            prompts.append(state.prompt if going_on
-                           else self._continued(m, t, texts[-1]) or self.tokenizer.encode(texts[-1]))
+            prompts.append(state.prompt if going_on else self._ids(m, t, texts[-1]))
             streams.append(state.stream if state is not None
                            else _TextStream(self.tokenizer, skip, sink))
             seeds.append(state.generation if going_on else None)
