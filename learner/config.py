@@ -86,6 +86,10 @@ class RolloutConfig:
     partial_credit: float = 0.0     # a failed, honest episode's reward: this times the share
                                     # of the tests it left passing (0: pass/fail only), so a
                                     # group that all fails still ranks what broke less
+    oracle_start: float = 0.0       # share of groups that start after some of the oracle's
+                                    # turns (uniform over its plan; `tasks.oracle.OracleStart`):
+                                    # shorter episodes whose outcome the policy's few calls
+                                    # decide. Only tasks with an oracle plan (sim); 0: off
 
 
 @dataclass

@@ -85,6 +85,7 @@ class Group:
     task_id: str
     episodes: list[Episode]
     samples: list[list[dict]] = field(default_factory=list)
+    start: int = 0                  # oracle turns each episode began after (`OracleStart`)
 
     @property
     def rewards(self) -> list[float]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
 import time
 import traceback
@@ -61,14 +62,21 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     does not play its group to the end."""
     from agent_runtime.policies.batching import BatchingPolicy
     from learner.rollout import run_episodes
+    from learner.tasks.oracle import OracleStart, start_turns
     if config.concurrency > 1 and batches(policy):
         policy = BatchingPolicy(policy, max_batch=config.concurrency)
-    eps = run_episodes(lambda _task: policy, [task] * config.group_size, store,
+    start = start_turns(task, config.oracle_start, _STARTS)
+    eps = run_episodes((lambda t: OracleStart(t, policy, start)) if start else (lambda _t: policy),
+                       [task] * config.group_size, store,
                        concurrency=config.concurrency, max_steps=config.max_steps,
                        should_stop=should_stop)
     return Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
                                    bool(e.passed)) for e in eps],
-                 [store.samples(e.session_id) for e in eps])
+                 [store.samples(e.session_id) for e in eps], start)
+
+
+_STARTS = random.Random()       # where groups start (`RolloutConfig.oracle_start`); rollouts
+                                # are not reproducible run to run anyway (threads, timing)
 
 
 def shaped_reward(episode: Any, partial_credit: float) -> float:
@@ -253,7 +261,8 @@ class Pipeline:
                  "pass_rate": sum(passed) / len(passed) if passed else None,
                  "stale_dropped": stale,
                  "staleness_mean": sum(ages) / len(ages) if ages else None,
-                 "staleness_max": max(ages) if ages else None, "idle_s": idle_s}
+                 "staleness_max": max(ages) if ages else None, "idle_s": idle_s,
+                 "oracle_starts": sum(g.start > 0 for g in groups)}
         extra["groups_skipped"], self._skipped = self._skipped, 0
         saved = {"cursor": self.cursor}
         if self.curriculum:

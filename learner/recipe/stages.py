@@ -64,6 +64,8 @@ class GRPOStageConfig:
                                     # ones that come back mixed at its temperature
     partial_credit: float = 0.0     # a failed episode's reward: this times the share of its
                                     # tests passing (`RolloutConfig.partial_credit`; 0: off)
+    oracle_start: float = 0.0       # share of groups started after some of the oracle's turns
+                                    # (`RolloutConfig.oracle_start`; 0: off)
     trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
                                     # trainable`; empty: all), e.g. `learner.online.TRAINABLE`
 
@@ -295,7 +297,8 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
                                  trainable=tuple(g.trainable)),
         rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
-                                 workers=g.workers, partial_credit=g.partial_credit),
+                                 workers=g.workers, partial_credit=g.partial_credit,
+                                 oracle_start=g.oracle_start),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
                                    seed=g.seed, curriculum=g.curriculum,
                                    max_skipped=g.max_skipped, revisit=g.revisit,

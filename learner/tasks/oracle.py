@@ -12,7 +12,10 @@ policy. It does not look at tool results: a plan that fails shows up in the grad
 from __future__ import annotations
 
 import json
+import random
 
+from agent_runtime import names
+from agent_runtime.policies.base import Completion, remembers
 from agent_runtime.policies.replay import ReplayPolicy
 
 ORACLE_NAME = "oracle"
@@ -53,3 +56,63 @@ class OraclePolicy(ReplayPolicy):
                          context_window=context_window, version=version)
         self.task_id = task.id
         self.mentions = mentions
+
+
+def start_turns(task, share: float, rng: random.Random) -> int:
+    """How many of the oracle's turns a group of `task` starts after: 0 (the model plays the
+    whole episode) with probability 1 - `share`, else uniform over 1 .. n - 3, where n is the
+    number of turns of the oracle's script, finish included. Every family's plan ends with
+    its change (the edit, the rename's `sed`), a check and `finish`, so the model always
+    plays the change: a start after it would pass whatever the model did. A plan of fewer
+    than four turns, or a task without one, always starts at 0."""
+    if share <= 0 or rng.random() >= share:
+        return 0
+    try:
+        n = len(script(task))
+    except ValueError:
+        return 0
+    return rng.randint(1, n - 3) if n >= 4 else 0
+
+
+class OracleStart:
+    """A `Policy` whose first `turns` calls are the oracle's, and the rest `policy`'s: an
+    episode that starts from a state on the way to the solution (a reverse curriculum:
+    Salimans & Chen 2018, "Learning Montezuma's Revenge from a Single Demonstration"; Xi et
+    al. 2024, R^3, for language models). On a small policy most groups of a whole episode
+    come back all failed, and a failure's advantage is spread over every call of a ten-call
+    episode; started near the end, the same decision (the edit, the check, the rename's
+    command) is taken in a two- or three-call episode whose outcome it decides.
+
+    The oracle's calls come back with no token ids (its text is the loop's as any turn is),
+    so the store records them as samples with an empty completion, which training skips:
+    only the policy's own calls train, each with the oracle's turns before it as context.
+    Everything else (window, token counts, the call grammar, `remember` for the policy's own
+    calls) is the policy's."""
+
+    def __init__(self, task, policy, turns: int):
+        self.policy, self.turns = policy, turns
+        self.oracle = OraclePolicy(task)
+        self.calls = 0
+
+    def __getattr__(self, name: str):            # name, version, context_window, mentions ...
+        return getattr(self.policy, name)
+
+    def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        return self.policy.count_tokens(messages, tools)
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, **kwargs):
+        if bool(messages) and messages[-1].get("kind") == names.KIND_SUMMARY_REQUEST:
+            return self.policy.complete(messages, tools, **kwargs)
+        self.calls += 1
+        if self.calls > self.turns:
+            return self.policy.complete(messages, tools, **kwargs)
+        c = self.oracle.complete(messages, tools, max_new_tokens=kwargs.get("max_new_tokens"),
+                                 on_text=kwargs.get("on_text"),
+                                 should_stop=kwargs.get("should_stop"))
+        return Completion(text=c.text, prompt_ids=[], completion_ids=[], logprobs=[],
+                          finish_reason=c.finish_reason, version=self.policy.version,
+                          meta={"oracle": True})
+
+    def remember(self, message: dict, completion) -> None:
+        if not completion.meta.get("oracle") and remembers(self.policy):
+            self.policy.remember(message, completion)

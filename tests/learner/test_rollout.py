@@ -141,3 +141,69 @@ def test_a_failure_that_breaks_less_earns_more_partial_credit_and_cheats_none(st
     assert [shaped_reward(e, 0.0) for e in (idle, broke, cheat, solved)] == [0.0, 0.0, 0.0, 1.0]
     assert [shaped_reward(e, 0.5) for e in (idle, broke, cheat, solved)] == \
         [0.5 * passed / run, 0.0, 0.0, 1.0]
+
+
+class Remembering(ReplayPolicy):
+    """A replay policy that, like `EnginePolicy`, is told which message each call became."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.remembered = []
+
+    def remember(self, message, completion):
+        self.remembered.append(completion.text)
+
+
+def test_an_oracle_start_plays_the_plans_first_turns_and_trains_only_the_policys_calls(store,
+                                                                                      tasks):
+    """`OracleStart(task, policy, k)`: the oracle's first k turns, then the policy's. Their
+    samples are empty (nothing of the oracle's trains), the policy's carry its ids, and the
+    policy is told only of its own calls. The outcome is the policy's: the plan's remaining
+    turns pass, a bare `finish` after the same start fails."""
+    from learner.tasks.oracle import OracleStart, script
+    task = tasks[0]
+    plan = script(task)
+    k = len(plan) - 3
+    rest = Remembering(plan[k:])
+    solved = run_episode(OracleStart(task, rest, k), task, store)
+    assert solved.passed and solved.steps == len(plan)
+    samples = store.samples(solved.session_id)
+    assert [bool(s["completion_ids"]) for s in samples] == [False] * k + [True] * (len(plan) - k)
+    assert solved.tokens == sum(len(s["completion_ids"]) for s in samples) > 0
+    assert rest.remembered == plan[k:]
+    quit_early = run_episode(OracleStart(task, ReplayPolicy([call("finish", summary="done")]), k),
+                             task, store)
+    assert quit_early.steps == k + 1 and not quit_early.passed
+
+
+def test_where_groups_start_is_drawn_inside_the_plan():
+    """`start_turns`: 0 with share 0; with share 1 every draw in 1 .. n - 3 (the policy keeps
+    the plan's change, its check and finish) and each of them drawn."""
+    import random
+    from learner.tasks.oracle import script, start_turns
+    task = next(t for t in generate("train", 12, seed=31) if len(script(t)) >= 5)
+    n, rng = len(script(task)), random.Random(0)
+    assert {start_turns(task, 0.0, rng) for _ in range(50)} == {0}
+    assert {start_turns(task, 1.0, rng) for _ in range(400)} == set(range(1, n - 2))
+    half = [start_turns(task, 0.5, rng) for _ in range(400)]
+    assert 120 < half.count(0) < 280
+
+
+def test_a_sim_group_with_oracle_starts_records_where_it_began(store, tasks):
+    """`RolloutConfig.oracle_start` 1: every episode of the group starts after the same
+    number of oracle turns, recorded on the group; the samples GRPO would train on are the
+    policy's calls only."""
+    from learner.config import LossConfig, RolloutConfig
+    from learner.grpo import group_samples
+    from learner.pipeline import run_sim_group
+    from learner.tasks.oracle import script
+    task = tasks[3]
+    policy = ReplayPolicy([call("finish", summary="done")] * 4)
+    group = run_sim_group(policy, task, store, RolloutConfig(group_size=2, concurrency=1,
+                                                             oracle_start=1.0))
+    assert 1 <= group.start <= len(script(task)) - 3
+    for samples in group.samples:
+        assert [bool(s["completion_ids"]) for s in samples] == [False] * group.start + [True]
+    group.episodes[0].reward = 1.0               # as if one of them had passed
+    trained = group_samples(group, LossConfig())
+    assert len(trained) == 2 and all(s.n_tokens for s in trained)
