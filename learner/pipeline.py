@@ -496,7 +496,7 @@ def _worker_main(config: RunConfig, model_path: str, home: str, board: WeightBoa
                     continue
                 g = runner(board.follow(policy), tasks[i % len(tasks)], store, config.rollout,
                            stopped)
-                item = ("group", Group(g.task_id, g.episodes))
+                item = ("group", Group(g.task_id, g.episodes, start=g.start))
                 while not stopped():
                     try:
                         out_q.put(item, timeout=0.1)
