@@ -63,6 +63,9 @@ def _agent_options(fn):
         click.option("--context-window", type=click.IntRange(256), default=None,
                      help="Override the policy's context window (tokens); the context is "
                           "summarized at 80% of it."),
+        click.option("--quantize", type=click.Choice(["int8"]), default=None,
+                     help="Decode with int8 copies of the model's weights (bf16 models; "
+                          "prefill and learning keep the weights)."),
         click.option("--json", "as_json", is_flag=True,
                      help="Write events as JSON lines instead of a readable transcript."),
         click.option("--connect", metavar="URL", envvar="APPRENTICE_CONNECT",
@@ -87,8 +90,8 @@ def _agent_options(fn):
                    "$APPRENTICE_HOME/config.toml and a workspace's .apprentice-no-learn).")
 @_agent_options
 def run(task: str, workspace: Path, copy_workspace: bool, no_learn: bool, model: str,
-        policy_spec: str | None, max_steps: int, context_window: int | None, as_json: bool,
-        connect: str | None, token: str) -> None:
+        policy_spec: str | None, max_steps: int, context_window: int | None,
+        quantize: str | None, as_json: bool, connect: str | None, token: str) -> None:
     """Run the agent headless on TASK in a workspace, streaming the transcript.
 
     Exits 0 when the agent called finish, 1 when the run failed, 2 when the step budget
@@ -107,17 +110,21 @@ def run(task: str, workspace: Path, copy_workspace: bool, no_learn: bool, model:
         click.echo(f"working on a copy: {target}", err=True)
         workspace = target
     agent = _make_agent(store, workspace, model, policy_spec, max_steps, context_window, as_json,
-                        connect, token, learn=learn)
+                        connect, token, learn=learn, quantize=quantize)
     _finish(agent, agent.run(task), as_json)
 
 
 def _make_agent(store: Any, workspace: Path, model: str, policy_spec: str | None,
                 max_steps: int, context_window: int | None, as_json: bool,
-                connect: str | None = None, token: str = "", learn: bool = True) -> Any:
+                connect: str | None = None, token: str = "", learn: bool = True,
+                quantize: str | None = None) -> Any:
     from agent_runtime.agent import Agent, AgentConfig
     from agent_runtime.policies.loading import load_policy
+    spec = policy_spec or model
+    if quantize and spec.startswith("replay:"):
+        raise click.UsageError("--quantize needs a model; a replay script has no weights")
     try:
-        policy = load_policy(policy_spec or model)
+        policy = load_policy(spec, **({"quantize": quantize} if quantize else {}))
     except (OSError, ValueError) as exc:
         hint = "" if policy_spec else " (or --policy replay:FILE to replay a script)"
         raise click.ClickException(f"cannot load policy {policy_spec or model!r}: {exc}{hint}")
@@ -373,8 +380,8 @@ def _show_message(m: dict, full: bool) -> None:
               help="A user message to add before continuing.")
 @_agent_options
 def sessions_resume(session_id: str, message: str | None, model: str, policy_spec: str | None,
-                    max_steps: int, context_window: int | None, as_json: bool,
-                    connect: str | None, token: str) -> None:
+                    max_steps: int, context_window: int | None, quantize: str | None,
+                    as_json: bool, connect: str | None, token: str) -> None:
     """Continue a session (after a crash, a cancel, a budget stop or a finish).
 
     The context is rebuilt from the store: system prompt, task, the latest segment's summary
@@ -387,7 +394,7 @@ def sessions_resume(session_id: str, message: str | None, model: str, policy_spe
     if not workspace.is_dir():
         raise click.ClickException(f"the session's workspace {workspace} no longer exists")
     agent = _make_agent(store, workspace, model, policy_spec, max_steps, context_window, as_json,
-                        connect, token)
+                        connect, token, quantize=quantize)
     _finish(agent, agent.resume(session["id"], message=message), as_json)
 
 

@@ -4,6 +4,7 @@
     python bench/decode.py --model PATH          # any HF-format MoE checkpoint
     python bench/decode.py --device cuda         # on a GPU
     python bench/decode.py --rows 8              # and 8 rows of one batch against one row
+    python bench/decode.py --quantize int8       # and bf16 decode with int8 weight copies
 
 Both engines load the same checkpoint, get the same prompt, decode the same number of greedy
 tokens (checked identical), and are timed in the same run. Prints prefill (through `generate`
@@ -13,7 +14,9 @@ the memory-bandwidth bound of decode (active bytes per token over the memory ban
 measured just before and after our decode) and our share of it, the
 matmul bound of prefill (operations per token over the measured speed of one large matmul)
 and the ratios ours/transformers; with --rows N, last, our decode tokens/s with N rows of one
-batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike.
+batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike;
+with --quantize int8, last, bf16 decode with int8 copies of the weights (`quantize`) against
+bf16, with its own bandwidth bound (fewer bytes a token) and how many greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 from agent_runtime.model import load_model, save_model
 from agent_runtime.model.config import args_from_hf
 from agent_runtime.model.generate import SamplingParams, generate
-from agent_runtime.model.model import UPCAST_CPU, MoEModel
+from agent_runtime.model.model import UPCAST_CPU, Experts, MoEModel
+from agent_runtime.model.quantize import quantize
 from agent_runtime.policies import resolve_model_path
 
 TEST_SHAPE = {  # ~0.5 B parameters: hidden 1024, 8 layers, 32 experts top-4, width 512
@@ -111,6 +115,25 @@ def active_bytes(model: MoEModel) -> int:
     return total * size
 
 
+def int8_active_bytes(model: MoEModel) -> int:
+    """`active_bytes` of a model with int8 copies (`quantize`): a weight with a copy is read as
+    one byte an entry plus its scales."""
+    a = model.args
+    size = model.embed_tokens.weight.element_size()
+    saved = 0
+    for m in model.modules():
+        q = getattr(m, "q", None)
+        if q is None:
+            continue
+        if isinstance(m, Experts):                 # only top_k of num_experts are read
+            for w, qw in ((m.gate_up, q[0]), (m.down, q[2])):
+                if qw is not None:
+                    saved += w.numel() * a.top_k // a.num_experts * (size - 1)
+        else:
+            saved += m.weight.numel() * (size - 1)
+    return active_bytes(model) - saved
+
+
 def time_ours(model, prompt, new, device, reps):
     def run(n):
         t, g = timed(device, lambda: generate(model, [prompt], SamplingParams(max_new_tokens=n))[0])
@@ -171,6 +194,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     ap.add_argument("--rows", type=int, default=0,
                     help="also decode this many sampled rows of one batch against one row")
+    ap.add_argument("--quantize", choices=["int8"],
+                    help="also decode bf16 with int8 copies of the weights (`--quantize int8`)")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -197,6 +222,14 @@ def main() -> None:
             one = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, 1)
             many = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, args.rows)
             row.update(rows_1=one, rows_n=many)
+        if args.quantize and ours.dtype == torch.bfloat16:
+            quantize(ours, args.quantize)
+            bw8 = memory_bandwidth(args.device)
+            pre8, full8, toks8 = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
+            bw8 = max(bw8, memory_bandwidth(args.device))
+            row.update(int8_decode=(args.new_tokens - 1) / (full8 - pre8),
+                       int8_bound=bw8 / int8_active_bytes(ours),
+                       int8_same=f"{sum(a == b for a, b in zip(toks, toks8))}/{len(toks)}")
         del ours
         if not args.no_hf:
             import transformers
@@ -238,6 +271,12 @@ def main() -> None:
         print("batched decode, sampled (tokens/s of all rows): " + "  ".join(
             f"{r['dtype']}: rows {args.rows} {r['rows_n']:.1f} / rows 1 {r['rows_1']:.1f} = "
             f"{r['rows_n'] / r['rows_1']:.2f}x" for r in rows))
+    if any("int8_decode" in r for r in rows):
+        print("int8 weight copies (bf16 decode, tokens/s): " + "  ".join(
+            f"int8 {r['int8_decode']:.1f} (bw bound {r['int8_bound']:.1f}, "
+            f"{r['int8_decode'] / r['int8_bound']:.0%}; greedy tokens as bf16 {r['int8_same']}) "
+            f"/ bf16 {r['ours_decode']:.1f} = {r['int8_decode'] / r['ours_decode']:.2f}x"
+            for r in rows if "int8_decode" in r))
 
 
 if __name__ == "__main__":

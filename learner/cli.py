@@ -130,6 +130,8 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
                    "their mean, and pass@K the share of tasks at least one of them solves.")
 @click.option("--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
               help="Sampling temperature of a model's calls (0: greedy).")
+@click.option("--quantize", type=click.Choice(["int8"]), default=None,
+              help="Decode with int8 copies of the model's weights (bf16 models).")
 @click.option("-v", "--verbose", is_flag=True, help="One line per task before the summary.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the numbers and per-task results as JSON instead.")
@@ -137,8 +139,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                  policy_spec: str | None, compare: str | None, recipe_dir: Path | None,
                  processes: int | None, max_steps: int, max_new_tokens: int,
                  context_window: int | None, concurrency: int | None, sandbox: str | None,
-                 free_calls: bool, samples: int, temperature: float, verbose: bool,
-                 as_json: bool) -> None:
+                 free_calls: bool, samples: int, temperature: float, quantize: str | None,
+                 verbose: bool, as_json: bool) -> None:
     """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task; or several
     side by side (--compare sft,default)."""
     import json
@@ -159,6 +161,9 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
         if policy_spec or model != "default":
             raise click.BadParameter("it names the models itself; leave out --model and "
                                      "--policy", param_hint="--compare")
+        if quantize:
+            raise click.BadParameter("evaluate one model at a time with --quantize",
+                                     param_hint="--compare")
         from learner.recipe.evaluate import EvalConfig        # imports torch
         config = EvalConfig(n=len(task_list), split=SIM_SETS.get(tasks_spec, "heldout"),
                             folder="" if tasks_spec in SIM_SETS else tasks_spec, seed=seed,
@@ -170,7 +175,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
         return
     spec = policy_spec or model
     try:
-        factory = policy_factory(spec, max_new_tokens, context_window or 0, temperature)
+        factory = policy_factory(spec, max_new_tokens, context_window or 0, temperature,
+                                 quantize)
     except (OSError, ValueError) as exc:          # a missing or broken checkpoint: one line
         raise click.ClickException(f"cannot load policy {spec!r}: {exc}")
     if spec == "oracle" and any(t.solution is None for t in task_list):

@@ -106,13 +106,16 @@ def resolve_tasks(spec: str, n: int | None = None, seed: int = 0,
 
 
 def policy_factory(spec: str, max_new_tokens: int = 512, context_window: int = 0,
-                   temperature: float = 0.0) -> Callable[[TaskInstance], Any]:
+                   temperature: float = 0.0, quantize: str | None = None
+                   ) -> Callable[[TaskInstance], Any]:
     """What makes each episode's policy: `oracle` (one per task), `replay:FILE` (a fresh
     replay per task), anything else a model loaded once and shared (greedy unless
     `temperature` > 0, at most `max_new_tokens` per call, as `learner.recipe.evaluate` runs
     it) through a `BatchingPolicy`, so episodes running at once decode together.
     `context_window` (when set) makes a model's window smaller, so self-summarization starts
-    earlier."""
+    earlier. `quantize` ("int8"): the model decodes with int8 copies of its weights."""
+    if quantize and (spec == "oracle" or spec.startswith("replay:")):
+        raise ValueError("--quantize needs a model")
     if spec == "oracle":
         from learner.tasks.oracle import OraclePolicy
         return OraclePolicy
@@ -123,7 +126,7 @@ def policy_factory(spec: str, max_new_tokens: int = 512, context_window: int = 0
     # greedy: seed 0 makes the loop fallback's resampling reproducible; sampled: a fresh seed
     # per call, or the samples of one task would repeat one another
     model = load_policy(spec, temperature=temperature, max_new_tokens=max_new_tokens,
-                        seed=0 if temperature == 0 else None)
+                        seed=0 if temperature == 0 else None, quantize=quantize)
     if context_window:
         model.context_window = min(context_window, model.context_window)
     policy = BatchingPolicy(model)

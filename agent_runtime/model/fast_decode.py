@@ -8,6 +8,8 @@ same arguments from C++, so its logits and routes are bitwise the Python path's.
 once per machine with `torch.utils.cpp_extension` (cached under the torch extensions folder)
 the first time a decode needs it; when it cannot be built (no compiler, no ninja) or the model
 is of a kind it does not cover, `stepper` returns None and generation stays in Python.
+A model with int8 copies of its weights (`quantize`) passes them too, and the step's matmuls of
+at most 8 rows run on them, as `model.linear` does.
 `APPRENTICE_FAST_DECODE=0` turns the step off, not the extension's few-row bf16 matmul
 (`rows_linear`), which `model.linear` uses whenever the extension is built, so that the Python
 step and the C++ one compute the same bits. On CPUs with AMX-BF16 tiles the few-row products
@@ -149,11 +151,17 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
     layers: list[torch.Tensor | None] = []
     biases: list[torch.Tensor | None] = []
     qkv: list[torch.Tensor | None] = []     # q, k, v's weights (and biases) in one, for bf16:
-    for block in model.layers:              # copies, made again by every `stepper` call
+    quantized = getattr(model, "quantized", None) is not None   # copies, made again by every
+    quant: list[torch.Tensor | None] = []   # `stepper` call; quant: the int8 copies, in pairs
+    for block in model.layers:
         att, moe = block.self_attn, block.mlp
         projections = (att.q_proj, att.k_proj, att.v_proj)
         with_bias = [p.bias is not None for p in projections]
-        if model.dtype == torch.bfloat16 and len(set(with_bias)) == 1:
+        if quantized:
+            for m in (*projections, att.o_proj):
+                quant += list(m.q) if m.q is not None else [None, None]
+            quant += list(moe.experts.q) if moe.experts.q is not None else [None] * 4
+        if model.dtype == torch.bfloat16 and len(set(with_bias)) == 1 and not quantized:
             qkv.append(torch.cat([p.weight for p in projections]))
             qkv.append(torch.cat([p.bias for p in projections]) if with_bias[0] else None)
         else:
@@ -167,6 +175,8 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
                    block.post_attention_layernorm.weight, moe.gate.weight,
                    moe.experts.gate_up, moe.experts.down]
         biases += [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias, att.o_proj.bias]
+    if quantized:
+        quant += list(model.lm_head.q) if model.lm_head.q is not None else [None, None]
     model._rope(torch.zeros(1, 1, dtype=torch.long), model.dtype)      # build the tables
     cos, sin = model._rope_table
     upcast = UPCAST_CPU
@@ -183,7 +193,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
             tokens, past, cache.valid, cos, sin, model.embed_tokens.weight, model.norm.weight,
             model.lm_head.weight, layers, biases, qkv, cache.k, cache.v, a.num_heads,
             a.num_kv_heads, a.head_dim, a.top_k, a.norm_topk_prob, upcast, a.rms_eps, a.scale,
-            cache.shared, cache.shared_from)
+            cache.shared, cache.shared_from, quant)
         cache.pos = past + 1
         return ModelOutput(logits=logits, routes=routes)
     return step

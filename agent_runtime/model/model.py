@@ -151,14 +151,21 @@ FUSED_EXPERTS = True  # ... and the routed experts of at most that many bf16 row
 TRAIN_ATTENTION = True  # causal bf16 attention with a gradient on AMX tiles (`CausalAttention`)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """F.linear, except on CPU in half precision. Matmuls of at most `KERNEL_ROWS` bf16 rows
     (decode steps) run in the C++ extension's few-row kernel, which reads the weights once for
     all rows without oneDNN's per-call setup (a one-row step of the default model 1.5x
     faster); the C++ decode step calls it too, so both agree bitwise (without a compiler,
     F.linear). Matmuls over many rows (prefill) upcast to fp32 where CPUs lack native bf16
     FMA, which runs fp32 GEMMs several times faster, and the result (fp32 accumulation,
-    rounded once) is what a bf16 GEMM computes anyway."""
+    rounded once) is what a bf16 GEMM computes anyway. `q`: w's int8 copy (int8 weight, scale;
+    `quantize.quantize`), which matmuls of at most `KERNEL_ROWS` rows use instead (the C++
+    step too); never with a gradient."""
+    if q is not None and 0 < x.numel() <= KERNEL_ROWS * x.shape[-1] \
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        from agent_runtime.model.quantize import int8_linear
+        return int8_linear(x, q, b)
     if 0 < x.numel() <= KERNEL_ROWS * x.shape[-1] \
             and (ext := _inference_kernels(x, w)) is not None:
         return ext.rows_linear(x, w, b)
@@ -225,8 +232,10 @@ def attention_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dty
 
 
 class Linear(nn.Linear):
+    q: tuple[torch.Tensor, torch.Tensor] | None = None   # int8 copy (`quantize`), not state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.q)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -311,6 +320,8 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     """All routed experts of one layer as fused tensors: gate_up [E, 2I, H], down [E, H, I]."""
+    q: tuple[torch.Tensor, ...] | None = None   # int8 copies (`quantize`): gate_up's weight
+                                                # and scale, then down's; not state
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -318,24 +329,35 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down = nn.Parameter(torch.empty(E, H, I))
 
-    def _one(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return self._mlp(x, self.gate_up[e], self.down[e])
+    def _one(self, x: torch.Tensor, e: int, q: tuple[torch.Tensor, ...] | None = None
+             ) -> torch.Tensor:
+        if q is None:
+            return self._mlp(x, self.gate_up[e], self.down[e])
+        gq, gs, dq, ds = q                               # None: that weight has no copy
+        return self._mlp(x, self.gate_up[e], self.down[e],
+                         None if gq is None else (gq[e], gs[e]),
+                         None if dq is None else (dq[e], ds[e]))
 
     @staticmethod
-    def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        g, u = linear(x, gate_up).chunk(2, dim=-1)                       # [n, I] each
-        return linear(F.silu(g) * u, down)                              # [n, H]
+    def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+             gate_up_q: tuple | None = None, down_q: tuple | None = None) -> torch.Tensor:
+        g, u = linear(x, gate_up, q=gate_up_q).chunk(2, dim=-1)          # [n, I] each
+        return linear(F.silu(g) * u, down, q=down_q)                    # [n, H]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape                                                 # x [N, H]
-        if FUSED_EXPERTS and N <= KERNEL_ROWS \
+        # the int8 copies serve a decode step's rows (`linear`'s rule, by the rows of the
+        # whole step, not of one expert's share of a prefill)
+        q = self.q if N <= KERNEL_ROWS and not (torch.is_grad_enabled()
+                                                and self.gate_up.requires_grad) else None
+        if FUSED_EXPERTS and N <= KERNEL_ROWS and self.q is None \
                 and (ext := _inference_kernels(x, self.gate_up, self.down)) is not None:
             # decode: all chosen experts in one call, bitwise the loops below
             return ext.moe_rows(x, idx, w, self.gate_up, self.down)
         if N == 1:                                                       # decode: k small matmuls
             out = None
             for e, we in zip(idx.tolist()[0], w.tolist()[0]):
-                y = self._one(x, e) * we
+                y = self._one(x, e, q) * we
                 out = y if out is None else out + y
             return out
         flat = idx.reshape(-1)                                           # [N*k]
@@ -356,7 +378,7 @@ class Experts(nn.Module):
             start = 0
             for e, n in enumerate(counts):
                 if n:
-                    ys[start:start + n] = self._one(xs[start:start + n], e)
+                    ys[start:start + n] = self._one(xs[start:start + n], e, q)
                     start += n
         ys = ys * w.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))  # autocast: ys bf16

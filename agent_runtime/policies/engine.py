@@ -25,6 +25,7 @@ from agent_runtime.model import MoEModel, load_model, load_tokenizer
 from agent_runtime.model.generate import Generation, SamplingParams, generate
 from agent_runtime.model.heap import trim
 from agent_runtime.model.prefix_cache import PrefixCache
+from agent_runtime.model.quantize import quantize, requantize
 from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
 from agent_runtime.policies.base import Completion, resolve_model_path
 
@@ -48,6 +49,8 @@ class EngineConfig:
                                             # configured one) until one does not loop
     exact_history: bool = True              # feed the model's own earlier turns as the ids it
                                             # wrote, not re-rendered (`EnginePolicy.render`)
+    quantize: str | None = None             # "int8": decode steps read int8 copies of the
+                                            # weights (`agent_runtime.model.quantize`)
 
 
 @dataclass
@@ -160,6 +163,8 @@ class EnginePolicy:
         config = replace(config or EngineConfig(), **overrides)
         path = resolve_model_path(spec)
         model = load_model(path, dtype=config.dtype, device=config.device)
+        if config.quantize:
+            quantize(model, config.quantize)
         tokenizer = load_tokenizer(path)
         try:
             template = ChatTemplate.from_pretrained(path)
@@ -398,6 +403,7 @@ class EnginePolicy:
         with self._lock, torch.no_grad():
             self.prefix_cache.clear()            # its keys and values are the old weights'
             update(self.model.state_dict())
+            requantize(self.model)               # int8 copies of the new weights, if any
             self.version = version
 
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:

@@ -237,6 +237,12 @@ def test_a_replay_file_with_bad_json_is_named_in_the_error(home, workspace, tmp_
     assert f"{bad}: not valid JSON" in " ".join(result.output.split())
 
 
+def test_quantize_needs_a_model_not_a_replay_script(home, workspace):
+    result = invoke("run", "fix it", "-w", workspace, "--policy", f"replay:{FIX}",
+                    "--quantize", "int8")
+    assert result.exit_code == 2 and "--quantize needs a model" in result.output
+
+
 def test_sessions_clean_removes_copies_but_not_one_in_use(home, workspace):
     for _ in range(2):
         assert invoke("run", "Fix the failing test", "-w", workspace, "--copy",

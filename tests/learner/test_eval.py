@@ -177,3 +177,19 @@ def test_the_temperature_reaches_the_model(tmp_path):
         assert policy.policy.config.temperature == temperature
         # a fixed seed would give every sample of a task the same first call
         assert policy.policy.config.seed == (0 if temperature == 0 else None)
+
+
+def test_quantize_reaches_the_model_and_needs_one(tmp_path, home):
+    from tiny_checkpoints import save_tiny_agent_checkpoint
+    from learner.eval import policy_factory
+    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
+    model = policy_factory(str(path), 16, 0, 0.0)(None).policy.model
+    assert getattr(model, "quantized", None) is None
+    model = policy_factory("default", 16, 0, 0.0, "int8")(None).policy.model    # bf16
+    assert model.quantized == "int8" and model.lm_head.q is not None
+    out = invoke("eval", "-n", 1, "--model", path, "--quantize", "int8")   # a float32 model
+    assert out.exit_code == 1 and "serve bfloat16 models" in out.output
+    out = invoke("eval", "-n", 1, "--policy", "oracle", "--quantize", "int8")
+    assert out.exit_code == 1 and "--quantize needs a model" in out.output
+    out = invoke("eval", "-n", 1, "--compare", "sft,default", "--quantize", "int8")
+    assert out.exit_code == 2 and "one model at a time" in out.output

@@ -959,8 +959,25 @@ struct Shape {
   double eps, scale;
 };
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
-                  const Shape& s) {
+using Opt = c10::optional<at::Tensor>;
+
+// x @ (int8 weight * scale).T (+ b): `quantize.int8_linear`, the same operations
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs,
+                       const Opt& b) {
+  auto shape = x.sizes().vec();
+  shape.back() = qw.size(0);
+  auto x2 = x.reshape({-1, x.size(-1)});
+  if (!x2.is_contiguous() || reinterpret_cast<uintptr_t>(x2.data_ptr()) % 64)
+    x2 = x2.clone(at::MemoryFormat::Contiguous);        // the kernel's loads are aligned
+  auto y = at::_weight_int8pack_mm(x2, qw, qs).view(shape);
+  return b.has_value() ? y + *b : y;
+}
+
+// `model.linear`: qw, qs the weight's int8 copy (`quantize`), used for at most kRows rows
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& b, const Shape& s,
+                  const Opt& qw = c10::nullopt, const Opt& qs = c10::nullopt) {
+  if (qw.has_value() && x.numel() > 0 && x.numel() <= kRows * x.size(-1))
+    return int8_linear(x, *qw, *qs, b);
   bool half = w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
   if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
       x.numel() <= kRows * x.size(-1))
@@ -989,16 +1006,25 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({halves[1].neg(), halves[0]}, -1);
 }
 
+// q: the experts' int8 copies (gate_up's weight and scale, down's; None: no copy), or empty
+using ExpertsQ = std::vector<Opt>;
+
 at::Tensor expert(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
-                  const Shape& s) {
-  auto gu = linear(x, gate_up, c10::nullopt, s).chunk(2, -1);
-  return linear(at::silu(gu[0]) * gu[1], down, c10::nullopt, s);
+                  const Shape& s, const ExpertsQ& q, int64_t e) {
+  Opt gq, gs, dq, ds;
+  if (!q.empty() && q[0].has_value()) gq = (*q[0])[e], gs = (*q[1])[e];
+  if (!q.empty() && q[2].has_value()) dq = (*q[2])[e], ds = (*q[3])[e];
+  auto gu = linear(x, gate_up, c10::nullopt, s, gq, gs).chunk(2, -1);
+  return linear(at::silu(gu[0]) * gu[1], down, c10::nullopt, s, dq, ds);
 }
 
 // Experts.forward: top-k expert MLPs per row, weighted and summed.
 at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
-                   const at::Tensor& gate_up, const at::Tensor& down, const Shape& s) {
+                   const at::Tensor& gate_up, const at::Tensor& down, const Shape& s,
+                   const ExpertsQ& quant) {
   int64_t N = idx.size(0), k = idx.size(1);
+  const ExpertsQ none;
+  const ExpertsQ& q = N <= kRows ? quant : none;   // the copies serve decode steps' rows
   if (N == 1) {
     auto ids = idx.accessor<int64_t, 2>();
     auto wf = w.to(at::kDouble).contiguous();   // Tensor.tolist() gives Python floats (doubles)
@@ -1006,7 +1032,7 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
     at::Tensor out;
     for (int64_t j = 0; j < k; ++j) {
       int64_t e = ids[0][j];
-      auto y = expert(x, gate_up[e], down[e], s) * ws[0][j];
+      auto y = expert(x, gate_up[e], down[e], s, q, e) * ws[0][j];
       out = j == 0 ? y : out + y;
     }
     return out;
@@ -1022,7 +1048,8 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
   for (int64_t e = 0; e < gate_up.size(0); ++e) {
     int64_t n = counts[e];
     if (n) {
-      ys.slice(0, start, start + n).copy_(expert(xs.slice(0, start, start + n), gate_up[e], down[e], s));
+      ys.slice(0, start, start + n).copy_(
+          expert(xs.slice(0, start, start + n), gate_up[e], down[e], s, q, e));
       start += n;
     }
   }
@@ -1038,7 +1065,9 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
 // gate_up, down); biases: 4 per layer (q, k, v, o; each may be None); qkv: 2 per layer, q, k
 // and v's weights and biases concatenated (bf16; None: three matmuls); k_cache/v_cache: per
 // layer [B, kv, max_len, D]; shared, shared_from: columns every row holds the same, from its
-// column shared_from[b] on (`KVCache.share`; 0 and None when unknown). Returns (logits
+// column shared_from[b] on (`KVCache.share`; 0 and None when unknown); quant: empty, or the
+// int8 copies (`quantize`) as (weight, scale) pairs, 6 per layer (q, k, v, o, gate_up, down;
+// None: that layer's full weight), then the output head's pair. Returns (logits
 // [B, 1, V], routes [B, 1, L, k]).
 std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::Tensor valid,
                                     const at::Tensor& cos_table, const at::Tensor& sin_table,
@@ -1051,7 +1080,8 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
                                     const std::vector<at::Tensor>& v_cache, int64_t heads,
                                     int64_t kv_heads, int64_t head_dim, int64_t top_k,
                                     bool norm_topk, bool upcast, double eps, double scale,
-                                    int64_t shared, const c10::optional<at::Tensor>& shared_from) {
+                                    int64_t shared, const c10::optional<at::Tensor>& shared_from,
+                                    const std::vector<c10::optional<at::Tensor>>& quant) {
   at::NoGradGuard no_grad;
   const Shape s{heads, kv_heads, head_dim, top_k, norm_topk, upcast, eps, scale};
   const int64_t B = tokens.size(0), D = head_dim, group = heads / kv_heads;
@@ -1077,6 +1107,8 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
     const at::Tensor& post_norm = *p[6]; const at::Tensor& router = *p[7];
     const at::Tensor& gate_up = *p[8]; const at::Tensor& down = *p[9];
     const auto& k_cache_l = k_cache[l];
+    auto qw = [&](int64_t j) { return quant.empty() ? Opt() : quant[12 * l + 2 * j]; };
+    auto qs = [&](int64_t j) { return quant.empty() ? Opt() : quant[12 * l + 2 * j + 1]; };
     auto h = norm(x, in_norm, eps);
     at::Tensor q, k, v;
     if (qkv[2 * l].has_value() && h.scalar_type() == at::kBFloat16 && B <= kRows) {
@@ -1087,9 +1119,9 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
       k = all.slice(-1, heads * D, (heads + kv_heads) * D);
       v = all.slice(-1, (heads + kv_heads) * D, (heads + 2 * kv_heads) * D);
     } else {
-      q = linear(h, wq, biases[4 * l], s);
-      k = linear(h, wk, biases[4 * l + 1], s);
-      v = linear(h, wv, biases[4 * l + 2], s);
+      q = linear(h, wq, biases[4 * l], s, qw(0), qs(0));
+      k = linear(h, wk, biases[4 * l + 1], s, qw(1), qs(1));
+      v = linear(h, wv, biases[4 * l + 2], s, qw(2), qs(2));
     }
     auto qk = at::cat({q.view({B, 1, heads, D}), k.view({B, 1, kv_heads, D})}, 2);
     if (qk_w.has_value()) qk = norm(qk, *qk_w, eps);
@@ -1119,7 +1151,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
       out = at::scaled_dot_product_attention(qd, keys, values, mask, 0.0, false, scale, false);
       out = out.transpose(1, 2).reshape({B, 1, -1});
     }
-    x = x + linear(out.to(x.scalar_type()), wo, biases[4 * l + 3], s);
+    x = x + linear(out.to(x.scalar_type()), wo, biases[4 * l + 3], s, qw(3), qs(3));
     h = norm(x, post_norm, eps);
     auto flat = h.reshape({-1, h.size(-1)});
     auto probs = linear(flat, router, c10::nullopt, s).to(at::kFloat).softmax(-1);
@@ -1127,14 +1159,18 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
     auto w = std::get<0>(top);
     auto idx = std::get<1>(top);
     if (norm_topk) w = w / w.sum(-1, true);
+    ExpertsQ eq;
+    if (qw(4).has_value() || qw(5).has_value()) eq = {qw(4), qs(4), qw(5), qs(5)};
     auto y = flat.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
-                     flat.size(0) <= kRows
+                     flat.size(0) <= kRows && eq.empty()
                  ? moe_rows(flat, idx, w.to(flat.scalar_type()), gate_up, down)
-                 : experts(flat, idx, w.to(flat.scalar_type()), gate_up, down, s);
+                 : experts(flat, idx, w.to(flat.scalar_type()), gate_up, down, s, eq);
     x = x + y.view({B, 1, -1});
     routes.push_back(idx.view({B, 1, -1}));
   }
-  auto logits = linear(norm(x, final_norm, eps), lm_head, c10::nullopt, s);
+  Opt hq, hs;
+  if (!quant.empty()) hq = quant[12 * L], hs = quant[12 * L + 1];
+  auto logits = linear(norm(x, final_norm, eps), lm_head, c10::nullopt, s, hq, hs);
   return {logits, at::stack(routes, 2)};
 }
 
