@@ -160,3 +160,14 @@ def test_a_broken_checkpoint_is_one_line_before_any_model_runs(home, recipe, tmp
     assert out.exit_code == 1, out.output
     assert len(lines) == 1 and lines[0].startswith("Error: cannot load") and "not valid JSON" \
         in lines[0], lines
+
+
+def test_processes_get_every_family_and_every_task_once():
+    from learner.recipe.evaluate import EvalConfig, eval_tasks, shards
+    tasks = eval_tasks(EvalConfig(n=60))
+    parts = shards(tasks, 2)
+    assert sorted(t.id for p in parts for t in p) == sorted(t.id for t in tasks)
+    assert abs(len(parts[0]) - len(parts[1])) <= 1
+    families = {t.family for t in tasks}
+    assert len(families) == 6 and all({t.family for t in p} == families for p in parts)
+    assert [t.id for t in shards(tasks, 2)[0]] == [t.id for t in parts[0]]   # fixed order
