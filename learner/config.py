@@ -139,7 +139,9 @@ def parse_task_spec(name: str, seed: int = 0) -> tuple[str, dict]:
     data is seed 0, so another seed gives tasks the SFT model never saw), `phrasings` the share
     of them whose instruction is composed from parts (`learner.tasks.generate`: wordings SFT did
     not see), `families` the task families to draw from, joined by "+" (default: all; given, the
-    dict has a "families" list). ValueError, saying what is accepted, for anything else."""
+    dict has a "families" list), `count` how many instances (default: the pipeline's
+    `SIM_TASKS`; a few, drawn again and again, check that training raises their own pass rate).
+    ValueError, saying what is accepted, for anything else."""
     family, _, spec = name.partition(":")
     if family == "toy" and not spec:
         return "toy", {}
@@ -153,12 +155,17 @@ def parse_task_spec(name: str, seed: int = 0) -> tuple[str, dict]:
             settings[key] = _families(value, name)
             continue
         try:
+            if key == "count":
+                settings[key] = int(value)
+                if settings[key] < 1:
+                    raise ValueError
+                continue
             if key not in settings:
                 raise ValueError
             settings[key] = int(value) if key == "seed" else float(value)
         except ValueError:
             raise ValueError(f"bad task setting {item!r} in {name!r}: the settings are seed=N, "
-                             "phrasings=SHARE and families=A+B, e.g. "
+                             "phrasings=SHARE, families=A+B and count=N (N >= 1), e.g. "
                              "sim:seed=3,phrasings=0.6,families=fix_bug+rename_symbol") from None
     if not 0.0 <= settings["phrasings"] <= 1.0:
         raise ValueError(f"phrasings must be between 0 and 1 in {name!r}")

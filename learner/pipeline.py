@@ -100,7 +100,8 @@ def task_family(name: str, seed: int = 0) -> tuple[list[Any], GroupRunner]:
         from learner.toy import run_toy_group, toy_tasks
         return toy_tasks(64, seed), run_toy_group
     from learner import tasks
-    return tasks.generate("train", SIM_TASKS, **settings), run_sim_group
+    count = settings.pop("count", SIM_TASKS)
+    return tasks.generate("train", count, **settings), run_sim_group
 
 
 # -- weights ------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ class GRPOStageConfig:
                                     # (`PipelineConfig.max_skipped`; 0: off)
     families: tuple[str, ...] = ()  # task families the stage draws from (empty: all), e.g. the
                                     # ones that come back mixed at its temperature
+    task_count: int = 0             # training instances (0: the pipeline's pool): a few, drawn
+                                    # again and again, check that GRPO raises their pass rate
     partial_credit: float = 0.0     # a failed episode's reward: this times the share of its
                                     # tests passing (`RolloutConfig.partial_credit`; 0: off)
     oracle_start: float = 0.0       # share of groups started after some of the oracle's turns
@@ -279,11 +281,12 @@ def _start(out: Path) -> Path:
 
 def grpo_tasks(g: GRPOStageConfig) -> str:
     """The pipeline's task spec for the stage (`learner.pipeline.task_family`)."""
-    if g.task_seed is None and not g.phrasings and not g.families:
+    if g.task_seed is None and not g.phrasings and not g.families and not g.task_count:
         return "sim"
     seed = g.seed if g.task_seed is None else g.task_seed
     families = f",families={'+'.join(g.families)}" if g.families else ""
-    return f"sim:seed={seed},phrasings={g.phrasings}{families}"
+    count = f",count={g.task_count}" if g.task_count else ""
+    return f"sim:seed={seed},phrasings={g.phrasings}{families}{count}"
 
 
 def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):

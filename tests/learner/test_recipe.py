@@ -772,6 +772,20 @@ def test_the_grpo_stage_can_draw_from_some_families_and_a_misspelt_one_is_named(
             parse_task_spec(bad)
 
 
+def test_the_grpo_stage_can_train_on_a_few_fixed_tasks():
+    from learner.config import parse_task_spec
+    from learner.pipeline import task_family
+    from learner.recipe.stages import GRPOStageConfig, grpo_tasks
+    spec = grpo_tasks(GRPOStageConfig(task_count=6, families=("fix_bug",)))
+    assert parse_task_spec(spec)[1]["count"] == 6
+    tasks, _ = task_family(spec)
+    assert len(tasks) == 6 and {t.family for t in tasks} == {"fix_bug"}
+    assert [t.id for t in tasks] == [t.id for t in task_family(spec)[0]]      # the same six
+    for bad in ("sim:count=0", "sim:count=two"):
+        with pytest.raises(ValueError, match="count=N"):
+            parse_task_spec(bad)
+
+
 def test_a_grep_slip_searches_for_a_name_the_code_lacks_then_for_the_plans():
     from agent_runtime.toolcalls import parse_tool_calls
     from learner.recipe.sft import with_slip
