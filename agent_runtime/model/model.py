@@ -350,6 +350,10 @@ class Experts(nn.Module):
         # whole step, not of one expert's share of a prefill)
         q = self.q if N <= KERNEL_ROWS and not (torch.is_grad_enabled()
                                                 and self.gate_up.requires_grad) else None
+        if FUSED_EXPERTS and q is not None and q[0] is not None and q[2] is not None \
+                and (ext := _inference_kernels(x)) is not None:
+            # decode with int8 copies of both weights: one call, bitwise the loops below
+            return ext.moe_rows_i8(x, idx, w, *q)
         if FUSED_EXPERTS and N <= KERNEL_ROWS and self.q is None \
                 and (ext := _inference_kernels(x, self.gate_up, self.down)) is not None:
             # decode: all chosen experts in one call, bitwise the loops below

@@ -28,6 +28,50 @@ def test_int8_weights_round_each_row_to_its_own_scale():
         quantize(torch.nn.Module(), "int4")
 
 
+@pytest.mark.parametrize("K", [48, 256, 200])
+def test_int8_rows_is_the_matmul_and_a_row_alone_is_a_row_in_a_batch(K):
+    ext = fast_decode.extension()
+    if ext is None:
+        pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")
+    g = torch.Generator().manual_seed(K)
+    q, scale = int8_weight(torch.randn(70, K, generator=g).bfloat16())
+    x = torch.randn(8, K, generator=g).bfloat16()
+    b = torch.randn(70, generator=g).bfloat16()
+    y = ext.int8_rows(x, q, scale, b)
+    want = x.double() @ (q.double() * scale.double()[:, None]).T + b.double()
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.double(), want, rtol=2 ** -7, atol=1e-4)   # one bf16 rounding
+    for m in range(8):                                                # bits of the row alone
+        assert torch.equal(ext.int8_rows(x[m:m + 1], q, scale, b), y[m:m + 1])
+        assert torch.equal(ext.int8_rows(x[m:m + 3], q, scale, b)[0], y[m])
+
+
+@pytest.mark.parametrize("experts,hidden,width,top_k", [(8, 64, 48, 2), (16, 32, 80, 4)])
+def test_the_fused_int8_experts_are_bitwise_the_expert_by_expert_loops(monkeypatch, experts,
+                                                                       hidden, width, top_k):
+    """`moe_rows_i8` against the loops of `Experts.forward` over `int8_rows`, for one row
+    (top-k order) and several (`index_add_`'s sum)."""
+    if fast_decode.extension() is None:
+        pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")
+    from agent_runtime.model import model as M
+    layer = M.Experts.__new__(M.Experts)
+    torch.nn.Module.__init__(layer)
+    g = torch.Generator().manual_seed(experts)
+    layer.gate_up = torch.nn.Parameter(
+        (torch.randn(experts, 2 * width, hidden, generator=g) * 0.1).bfloat16(), False)
+    layer.down = torch.nn.Parameter(
+        (torch.randn(experts, hidden, width, generator=g) * 0.1).bfloat16(), False)
+    layer.q = int8_weight(layer.gate_up) + int8_weight(layer.down)
+    for rows in range(1, M.KERNEL_ROWS + 1):
+        x = torch.randn(rows, hidden, generator=g).bfloat16()
+        w, idx = torch.randn(rows, experts, generator=g).softmax(-1).topk(top_k, -1)
+        monkeypatch.setattr(M, "FUSED_EXPERTS", False)
+        loops = layer(x, idx, w.bfloat16())
+        monkeypatch.setattr(M, "FUSED_EXPERTS", True)
+        fused = layer(x, idx, w.bfloat16())
+        assert torch.equal(loops.view(torch.int16), fused.view(torch.int16)), rows
+
+
 def test_decode_rows_read_the_copies_and_prefill_reads_the_weights(tmp_path):
     path = save_hf_checkpoint("qwen3_moe", tmp_path / "m")
     with pytest.raises(ValueError, match="serve bfloat16 models, this one is float32"):
@@ -50,15 +94,17 @@ def test_decode_rows_read_the_copies_and_prefill_reads_the_weights(tmp_path):
         assert torch.equal(q8(ids).logits, full(ids).logits)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe+width32"])
 def test_the_cpp_step_reads_the_copies_with_the_python_steps_bits(monkeypatch, tmp_path,
                                                                   family):
     dtype = "bfloat16"
     if fast_decode.extension() is None:
         pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")
-    path = save_hf_checkpoint(family, tmp_path / "m")
+    over = {"moe_intermediate_size": 32} if family.endswith("width32") else {}
+    path = save_hf_checkpoint(family.split("+")[0], tmp_path / "m", **over)
     model = quantize(load_model(path, dtype=dtype))
     assert fast_decode.stepper(model) is not None
+    assert (model.layers[0].mlp.experts.q[2] is not None) == bool(over)   # down's copy
     for prompts, params in [(_prompts(13), SamplingParams(max_new_tokens=16)),
                             (_prompts(5, 17, 11), SamplingParams(max_new_tokens=12)),
                             (_prompts(9, 9, 9, 9, 9, 9, 9, 9, 9),    # 9 rows: full weights

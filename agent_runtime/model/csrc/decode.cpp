@@ -100,7 +100,7 @@ inline void lane_sums8(const __m512* v, float* out) {
 // tree (eight at a time, `lane_sums8`), biased and rounded once into y.
 template <int M, int NB, class Out>
 inline void store_rows(const __m512 (&acc)[NB][M], int64_t n, const float* bias, Out* y,
-                       int64_t N) {
+                       int64_t N, const float* scale = nullptr) {
   constexpr int C = NB * M;
   __m512 v[(C + 7) / 8 * 8];
   float s[(C + 7) / 8 * 8];
@@ -111,6 +111,7 @@ inline void store_rows(const __m512 (&acc)[NB][M], int64_t n, const float* bias,
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
       float t = s[j * M + m];
+      if (scale) t *= scale[n + j];
       if (bias) t += bias[n + j];
       y[m * N + n + j] = Out(t);
     }
@@ -120,10 +121,11 @@ inline void store_rows(const __m512 (&acc)[NB][M], int64_t n, const float* bias,
 // biased and rounded once into y.
 template <int M, int NB, class Lanes, class Out>
 inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, Out* y,
-                       int64_t N) {
+                       int64_t N, const float* scale = nullptr) {
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
       float s = lane_sum(acc[j][m]);
+      if (scale) s *= scale[n + j];
       if (bias) s += bias[n + j];
       y[m * N + n + j] = Out(s);
     }
@@ -556,6 +558,93 @@ void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
   });
 }
 
+// ---- int8 weight copies (`quantize`): y [M, N] = x [M, K] @ (q [N, K] * scale [N])^T (+ b) ---
+// For at most kRows bf16 rows of x (decode steps). Each weight row is read once for all rows:
+// 16 int8 at a time widened to fp32 in registers (sign-extended, converted exactly) and
+// multiplied by every row of x (converted to fp32 once), one FMA each; the lanes summed by
+// `lane_sum`'s tree, times the row's scale, plus the bias, rounded once to bf16. So an
+// output's bits depend only on its row of x and of q, as `rows_linear`'s do, and the Python
+// path (`quantize.int8_linear`) and the C++ step, calling this alike, agree bitwise. Half the
+// bytes of bf16 a weight; it pays where decode reads weights from memory, not from cache.
+template <int M, int NB>
+inline void dot_rows_i8(const float* x, const int8_t* w, int64_t K, int64_t n,
+                        const float* scale, const float* bias, at::BFloat16* y, int64_t N) {
+#if defined(__AVX512F__)
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, __mmask16 mask) {
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int j = 0; j < NB; ++j) {
+      const __m512 wv = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + (n + j) * K + k)));
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(xv[m], wv, acc[j][m]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) step(k, __mmask16(0xFFFF));
+  if (k < K) step(k, __mmask16((1u << (K - k)) - 1));
+#else
+  float acc[NB][M][kLanes] = {};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const int64_t width = std::min<int64_t>(kLanes, K - k);
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m)
+        for (int64_t l = 0; l < width; ++l)
+          acc[j][m][l] = std::fma(x[m * K + k + l], float(w[(n + j) * K + k + l]), acc[j][m][l]);
+  }
+#endif
+  store_rows<M, NB>(acc, n, bias, y, N, scale);
+}
+
+// Outputs begin..end of `int8_rows`, on the calling thread.
+template <int M>
+void int8_span(const float* x, const int8_t* w, int64_t N, int64_t K, const float* scale,
+               const float* bias, at::BFloat16* y, int64_t begin, int64_t end) {
+  constexpr int NB = kBlock<M>;
+  int64_t n = begin;
+  for (; n + NB <= end; n += NB) dot_rows_i8<M, NB>(x, w, K, n, scale, bias, y, N);
+  for (; n < end; ++n) dot_rows_i8<M, 1>(x, w, K, n, scale, bias, y, N);
+}
+
+void int8_span_any(int64_t M, const float* x, const int8_t* w, int64_t N, int64_t K,
+                   const float* scale, const float* bias, at::BFloat16* y, int64_t begin,
+                   int64_t end) {
+  switch (M) {
+    case 1: int8_span<1>(x, w, N, K, scale, bias, y, begin, end); break;
+    case 2: int8_span<2>(x, w, N, K, scale, bias, y, begin, end); break;
+    case 3: int8_span<3>(x, w, N, K, scale, bias, y, begin, end); break;
+    case 4: int8_span<4>(x, w, N, K, scale, bias, y, begin, end); break;
+    case 5: int8_span<5>(x, w, N, K, scale, bias, y, begin, end); break;
+    case 6: int8_span<6>(x, w, N, K, scale, bias, y, begin, end); break;
+    case 7: int8_span<7>(x, w, N, K, scale, bias, y, begin, end); break;
+    default: int8_span<8>(x, w, N, K, scale, bias, y, begin, end); break;
+  }
+}
+
+// `grouped_rows` for int8 weights (ws[g], its scales ss[g]): x's rows fp32, y bf16
+void grouped_rows_i8(const at::Tensor& xs, const std::vector<const int8_t*>& ws,
+                     const std::vector<const float*>& ss, const std::vector<int64_t>& start,
+                     const std::vector<int64_t>& count, int64_t N, int64_t K, at::Tensor& y) {
+  auto xf = xs.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t piece = std::max<int64_t>(4, (int64_t{1} << 16) / K / 4 * 4);
+  const int64_t pieces = (N + piece - 1) / piece;
+  const int64_t jobs = static_cast<int64_t>(ws.size()) * pieces;
+  const int64_t rows = std::max<int64_t>(1, xs.size(0) / std::max<int64_t>(1, ws.size()));
+  const int64_t grain = std::max<int64_t>(1, kGrainMacs / (piece * K * rows));
+  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t g = j / pieces, lo = (j % pieces) * piece, hi = std::min(N, lo + piece);
+      int8_span_any(count[g], xp + start[g] * K, ws[g], N, K, ss[g], nullptr,
+                    yp + start[g] * N, lo, hi);
+    }
+  });
+}
+
+
 }  // namespace
 
 // The routed experts of a few rows (a decode step: x [M, H] bf16, M <= 8; idx [M, k] long;
@@ -566,24 +655,18 @@ void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
 // with its gate weight rounded to bf16, and the sum in the same order and rounding (one row:
 // in top-k order, rounded after each addition; several rows: in fp32 from +0 in ascending
 // expert order, rounded once, as `index_add_` adds them).
-at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
-                    const at::Tensor& gate_up, const at::Tensor& down) {
-  RECORD_FUNCTION("apprentice::moe_rows", std::vector<c10::IValue>({x, idx}));
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
-              down.scalar_type() == at::kBFloat16 && x.dim() == 2 && idx.dim() == 2);
-  const int64_t M = x.size(0), H = x.size(1), k = idx.size(1), E = gate_up.size(0);
-  const int64_t I = down.size(2);
+// The body of `moe_rows` (and of `moe_rows_i8`): `products(xs, experts, start, count, which,
+// y)` computes the grouped products of gate_up (which = 0) or down (1) into y.
+template <class Products>
+at::Tensor moe_rows_with(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                         int64_t E, int64_t I, Products products) {
+  const int64_t M = x.size(0), H = x.size(1), k = idx.size(1);
   TORCH_CHECK(M >= 1 && M <= kRows, "moe_rows: at most 8 rows");
-  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H);
   auto ids = idx.to(at::kLong).contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t S = M * k;
   std::vector<int64_t> order;                       // slots by expert, stable (argsort)
-  std::vector<int64_t> start, count;
-  std::vector<const uint16_t*> wgu, wdown;
-  auto guc = gate_up.contiguous(), dc = down.contiguous();
-  const auto* gup = reinterpret_cast<const uint16_t*>(guc.data_ptr<at::BFloat16>());
-  const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::BFloat16>());
+  std::vector<int64_t> start, count, experts;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t before = static_cast<int64_t>(order.size());
     for (int64_t s = 0; s < S; ++s)
@@ -592,8 +675,7 @@ at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
     if (n) {
       start.push_back(before);
       count.push_back(n);
-      wgu.push_back(gup + e * 2 * I * H);
-      wdown.push_back(dp + e * H * I);
+      experts.push_back(e);
     }
   }
   TORCH_CHECK(static_cast<int64_t>(order.size()) == S, "moe_rows: expert id out of range");
@@ -602,10 +684,10 @@ at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   for (int64_t p = 0; p < S; ++p) tp[p] = order[p] / k;
   auto xs = x.contiguous().index_select(0, token);                  // [S, H]
   auto gu = at::empty({S, 2 * I}, x.options());
-  grouped_rows(xs, wgu, start, count, 2 * I, H, gu);
+  products(xs, experts, start, count, 0, gu);
   auto h = at::silu(gu.slice(1, 0, I)) * gu.slice(1, I, 2 * I);       // gu.chunk(2, -1)
   auto ys = at::empty({S, H}, x.options());
-  grouped_rows(h, wdown, start, count, H, I, ys);
+  products(h, experts, start, count, 1, ys);
   auto wb = w.to(at::kBFloat16).contiguous();
   const auto* wp = wb.data_ptr<at::BFloat16>();
   const auto* yp = ys.data_ptr<at::BFloat16>();
@@ -637,6 +719,90 @@ at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   return out;
 }
 
+at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                    const at::Tensor& gate_up, const at::Tensor& down) {
+  RECORD_FUNCTION("apprentice::moe_rows", std::vector<c10::IValue>({x, idx}));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
+              down.scalar_type() == at::kBFloat16 && x.dim() == 2 && idx.dim() == 2);
+  const int64_t H = x.size(1), E = gate_up.size(0), I = down.size(2);
+  TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H);
+  auto guc = gate_up.contiguous(), dc = down.contiguous();
+  const auto* gup = reinterpret_cast<const uint16_t*>(guc.data_ptr<at::BFloat16>());
+  const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::BFloat16>());
+  return moe_rows_with(x, idx, w, E, I, [&](const at::Tensor& xs,
+                                            const std::vector<int64_t>& experts,
+                                            const std::vector<int64_t>& start,
+                                            const std::vector<int64_t>& count, int which,
+                                            at::Tensor& y) {
+    std::vector<const uint16_t*> ws;
+    for (int64_t e : experts) ws.push_back(which == 0 ? gup + e * 2 * I * H : dp + e * H * I);
+    if (which == 0) grouped_rows(xs, ws, start, count, 2 * I, H, y);
+    else grouped_rows(xs, ws, start, count, H, I, y);
+  });
+}
+
+// `moe_rows` with the experts' int8 copies (`quantize`: gq [E, 2I, H] int8 and gs [E, 2I]
+// its scales, dq [E, H, I] and ds [E, H]): bitwise what `Experts.forward` computes expert by
+// expert with `int8_rows`.
+at::Tensor moe_rows_i8(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                       const at::Tensor& gq, const at::Tensor& gs, const at::Tensor& dq,
+                       const at::Tensor& ds) {
+  RECORD_FUNCTION("apprentice::moe_rows_i8", std::vector<c10::IValue>({x, idx}));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && gq.scalar_type() == at::kChar &&
+              dq.scalar_type() == at::kChar && x.dim() == 2 && idx.dim() == 2);
+  const int64_t H = x.size(1), E = gq.size(0), I = dq.size(2);
+  TORCH_CHECK(gq.size(1) == 2 * I && gq.size(2) == H && dq.size(1) == H &&
+              gs.numel() == E * 2 * I && ds.numel() == E * H, "moe_rows_i8: shapes");
+  auto gqc = gq.contiguous(), dqc = dq.contiguous();
+  auto gsf = gs.to(at::kFloat).contiguous(), dsf = ds.to(at::kFloat).contiguous();
+  const int8_t* gp = gqc.data_ptr<int8_t>();
+  const int8_t* dp = dqc.data_ptr<int8_t>();
+  const float* gsp = gsf.data_ptr<float>();
+  const float* dsp = dsf.data_ptr<float>();
+  return moe_rows_with(x, idx, w, E, I, [&](const at::Tensor& xs,
+                                            const std::vector<int64_t>& experts,
+                                            const std::vector<int64_t>& start,
+                                            const std::vector<int64_t>& count, int which,
+                                            at::Tensor& y) {
+    std::vector<const int8_t*> ws;
+    std::vector<const float*> ss;
+    for (int64_t e : experts) {
+      ws.push_back(which == 0 ? gp + e * 2 * I * H : dp + e * H * I);
+      ss.push_back(which == 0 ? gsp + e * 2 * I : dsp + e * H);
+    }
+    if (which == 0) grouped_rows_i8(xs, ws, ss, start, count, 2 * I, H, y);
+    else grouped_rows_i8(xs, ws, ss, start, count, H, I, y);
+  });
+}
+
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& b) {
+  RECORD_FUNCTION("apprentice::int8_rows", std::vector<c10::IValue>({x, q}));
+  const int64_t K = x.size(-1), N = q.size(0), M = x.numel() / std::max<int64_t>(K, 1);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kChar && q.dim() == 2 &&
+              q.size(1) == K && scale.numel() == N && M >= 1 && M <= kRows,
+              "int8_rows: x [..., K] bf16 of at most 8 rows, q [N, K] int8, scale [N]");
+  auto xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  auto qc = q.contiguous();
+  auto sf = scale.to(at::kFloat).contiguous();
+  at::Tensor bf;
+  if (b.has_value() && b->defined()) bf = b->to(at::kFloat).contiguous();
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  auto y = at::empty(shape, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = qc.data_ptr<int8_t>();
+  const float* sp = sf.data_ptr<float>();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t NB = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  const int64_t grain = std::max<int64_t>(NB, kGrainMacs / (K * M) / NB * NB);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    int8_span_any(M, xp, wp, N, K, sp, bp, yp, begin, end);
+  });
+  return y;
+}
+
 // x [..., K] and w [N, K] bf16 with at most kRows rows in x; b [N] or None.
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
   RECORD_FUNCTION("apprentice::rows_linear", std::vector<c10::IValue>({x, w}));
@@ -666,6 +832,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   }
   return y;
 }
+
 
 // Attention in bf16 without autograd (decode steps and prefill), row by row: q [B, KV, G, T,
 // D] (the G query heads that share kv head h, T new positions each), k and v [B, KV, S, D]
@@ -961,23 +1128,11 @@ struct Shape {
 
 using Opt = c10::optional<at::Tensor>;
 
-// x @ (int8 weight * scale).T (+ b): `quantize.int8_linear`, the same operations
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs,
-                       const Opt& b) {
-  auto shape = x.sizes().vec();
-  shape.back() = qw.size(0);
-  auto x2 = x.reshape({-1, x.size(-1)});
-  if (!x2.is_contiguous() || reinterpret_cast<uintptr_t>(x2.data_ptr()) % 64)
-    x2 = x2.clone(at::MemoryFormat::Contiguous);        // the kernel's loads are aligned
-  auto y = at::_weight_int8pack_mm(x2, qw, qs).view(shape);
-  return b.has_value() ? y + *b : y;
-}
-
 // `model.linear`: qw, qs the weight's int8 copy (`quantize`), used for at most kRows rows
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& b, const Shape& s,
                   const Opt& qw = c10::nullopt, const Opt& qs = c10::nullopt) {
   if (qw.has_value() && x.numel() > 0 && x.numel() <= kRows * x.size(-1))
-    return int8_linear(x, *qw, *qs, b);
+    return int8_rows(x, *qw, *qs, b);
   bool half = w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
   if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
       x.numel() <= kRows * x.size(-1))
@@ -1161,9 +1316,13 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
     if (norm_topk) w = w / w.sum(-1, true);
     ExpertsQ eq;
     if (qw(4).has_value() || qw(5).has_value()) eq = {qw(4), qs(4), qw(5), qs(5)};
-    auto y = flat.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
-                     flat.size(0) <= kRows && eq.empty()
+    const bool rows = flat.scalar_type() == at::kBFloat16 &&
+                      gate_up.scalar_type() == at::kBFloat16 && flat.size(0) <= kRows;
+    auto y = rows && eq.empty()
                  ? moe_rows(flat, idx, w.to(flat.scalar_type()), gate_up, down)
+             : rows && eq[0].has_value() && eq[2].has_value()
+                 ? moe_rows_i8(flat, idx, w.to(flat.scalar_type()), *eq[0], *eq[1], *eq[2],
+                               *eq[3])
                  : experts(flat, idx, w.to(flat.scalar_type()), gate_up, down, s, eq);
     x = x + y.view({B, 1, -1});
     routes.push_back(idx.view({B, 1, -1}));
@@ -1486,6 +1645,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "one decode step of MoEModel");
   m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
   m.def("moe_rows", &moe_rows, "the routed experts of at most 8 rows of bf16");
+  m.def("moe_rows_i8", &moe_rows_i8, "the routed experts of at most 8 rows, int8 copies");
+  m.def("int8_rows", &int8_rows, "x @ (q * scale).T (+ b) for at most 8 rows of bf16, q int8");
   m.def("decode_attention", &decode_attention, "one new token's attention per row, bf16",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
         py::arg("shared") = 0, py::arg("from") = py::none());
