@@ -100,13 +100,19 @@ def test_the_environment_turns_it_off(built, monkeypatch, tmp_path):
     assert fast_decode.stepper(model) is None
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("experts,hidden,width,top_k", [(8, 64, 48, 2), (4, 40, 24, 3),
                                                         (16, 32, 80, 4)])
 def test_the_fused_experts_are_bitwise_the_expert_by_expert_loops(built, monkeypatch, experts,
-                                                                  hidden, width, top_k):
+                                                                  hidden, width, top_k, int8):
     """`moe_rows` (all chosen experts of a decode step in one call) against the loops of
-    `Experts.forward`, for one row (top-k order) and for several (`index_add_`'s sum)."""
+    `Experts.forward`, for one row (top-k order) and for several (`index_add_`'s sum); with
+    int8 copies of the weights (`quantize`), `moe_rows_i8` against the loops over
+    `int8_rows`."""
     from agent_runtime.model import model as M
+    from agent_runtime.model.quantize import int8_weight, quantizable
+    if int8 and width % 16:
+        pytest.skip("no int8 copy of a weight whose width is not a multiple of 16")
     layer = M.Experts.__new__(M.Experts)
     torch.nn.Module.__init__(layer)
     g = torch.Generator().manual_seed(experts)
@@ -114,6 +120,9 @@ def test_the_fused_experts_are_bitwise_the_expert_by_expert_loops(built, monkeyp
         (torch.randn(experts, 2 * width, hidden, generator=g) * 0.1).bfloat16(), False)
     layer.down = torch.nn.Parameter(
         (torch.randn(experts, hidden, width, generator=g) * 0.1).bfloat16(), False)
+    if int8:
+        assert quantizable(layer.gate_up) and quantizable(layer.down)
+        layer.q = int8_weight(layer.gate_up) + int8_weight(layer.down)
     for rows in range(1, M.KERNEL_ROWS + 1):
         for _ in range(4):
             x = torch.randn(rows, hidden, generator=g).bfloat16()

@@ -46,32 +46,6 @@ def test_int8_rows_is_the_matmul_and_a_row_alone_is_a_row_in_a_batch(K):
         assert torch.equal(ext.int8_rows(x[m:m + 3], q, scale, b)[0], y[m])
 
 
-@pytest.mark.parametrize("experts,hidden,width,top_k", [(8, 64, 48, 2), (16, 32, 80, 4)])
-def test_the_fused_int8_experts_are_bitwise_the_expert_by_expert_loops(monkeypatch, experts,
-                                                                       hidden, width, top_k):
-    """`moe_rows_i8` against the loops of `Experts.forward` over `int8_rows`, for one row
-    (top-k order) and several (`index_add_`'s sum)."""
-    if fast_decode.extension() is None:
-        pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")
-    from agent_runtime.model import model as M
-    layer = M.Experts.__new__(M.Experts)
-    torch.nn.Module.__init__(layer)
-    g = torch.Generator().manual_seed(experts)
-    layer.gate_up = torch.nn.Parameter(
-        (torch.randn(experts, 2 * width, hidden, generator=g) * 0.1).bfloat16(), False)
-    layer.down = torch.nn.Parameter(
-        (torch.randn(experts, hidden, width, generator=g) * 0.1).bfloat16(), False)
-    layer.q = int8_weight(layer.gate_up) + int8_weight(layer.down)
-    for rows in range(1, M.KERNEL_ROWS + 1):
-        x = torch.randn(rows, hidden, generator=g).bfloat16()
-        w, idx = torch.randn(rows, experts, generator=g).softmax(-1).topk(top_k, -1)
-        monkeypatch.setattr(M, "FUSED_EXPERTS", False)
-        loops = layer(x, idx, w.bfloat16())
-        monkeypatch.setattr(M, "FUSED_EXPERTS", True)
-        fused = layer(x, idx, w.bfloat16())
-        assert torch.equal(loops.view(torch.int16), fused.view(torch.int16)), rows
-
-
 def test_decode_rows_read_the_copies_and_prefill_reads_the_weights(tmp_path):
     path = save_hf_checkpoint("qwen3_moe", tmp_path / "m")
     with pytest.raises(ValueError, match="serve bfloat16 models, this one is float32"):

@@ -536,25 +536,34 @@ void rows_kernel(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const f
 // outputs y[rows] = xs[rows] @ ws[g]^T: the groups' output columns cut into pieces of about
 // 64k weights and all pieces spread over the threads in one parallel region, so a few rows
 // through several small matrices keep both cores busy and each matrix is read once.
+// The parallel region of a grouped product: `span(g, lo, hi)` computes group g's outputs
+// lo..hi; `step` is the output rows a kernel step takes, `rows` all groups' rows of x.
+template <class Span>
+void grouped_jobs(int64_t groups, int64_t rows, int64_t N, int64_t K, int64_t step, Span span) {
+  const int64_t piece = std::max<int64_t>(step, (int64_t{1} << 16) / K / step * step);
+  const int64_t pieces = (N + piece - 1) / piece;
+  const int64_t jobs = groups * pieces;
+  // as rows_kernel: at least kGrainMacs multiply-adds a thread (the groups' mean rows a job)
+  const int64_t mean = std::max<int64_t>(1, rows / std::max<int64_t>(1, groups));
+  const int64_t grain = std::max<int64_t>(1, kGrainMacs / (piece * K * mean));
+  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t lo = (j % pieces) * piece;
+      span(j / pieces, lo, std::min(N, lo + piece));
+    }
+  });
+}
+
 void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
                   const std::vector<int64_t>& start, const std::vector<int64_t>& count,
                   int64_t N, int64_t K, at::Tensor& y) {
   auto xr = as_xrows(xs);
   const auto* xp = static_cast<const XRow*>(xr.data_ptr());
   auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t step = use_amx(K) ? 32 : 4;          // rows a kernel step takes
-  const int64_t piece = std::max<int64_t>(step, (int64_t{1} << 16) / K / step * step);
-  const int64_t pieces = (N + piece - 1) / piece;
-  const int64_t jobs = static_cast<int64_t>(ws.size()) * pieces;
-  // as rows_kernel: at least kGrainMacs multiply-adds a thread (the groups' mean rows a job)
-  const int64_t rows = std::max<int64_t>(1, xs.size(0) / std::max<int64_t>(1, ws.size()));
-  const int64_t grain = std::max<int64_t>(1, kGrainMacs / (piece * K * rows));
-  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t g = j / pieces, lo = (j % pieces) * piece, hi = std::min(N, lo + piece);
-      rows_range_any(count[g], xp + start[g] * K, ws[g], N, K, nullptr, yp + start[g] * N,
-                     lo, hi);
-    }
+  grouped_jobs(static_cast<int64_t>(ws.size()), xs.size(0), N, K, use_amx(K) ? 32 : 4,
+               [&](int64_t g, int64_t lo, int64_t hi) {
+    rows_range_any(count[g], xp + start[g] * K, ws[g], N, K, nullptr, yp + start[g] * N, lo,
+                   hi);
   });
 }
 
@@ -630,17 +639,10 @@ void grouped_rows_i8(const at::Tensor& xs, const std::vector<const int8_t*>& ws,
   auto xf = xs.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t piece = std::max<int64_t>(4, (int64_t{1} << 16) / K / 4 * 4);
-  const int64_t pieces = (N + piece - 1) / piece;
-  const int64_t jobs = static_cast<int64_t>(ws.size()) * pieces;
-  const int64_t rows = std::max<int64_t>(1, xs.size(0) / std::max<int64_t>(1, ws.size()));
-  const int64_t grain = std::max<int64_t>(1, kGrainMacs / (piece * K * rows));
-  at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t g = j / pieces, lo = (j % pieces) * piece, hi = std::min(N, lo + piece);
-      int8_span_any(count[g], xp + start[g] * K, ws[g], N, K, ss[g], nullptr,
-                    yp + start[g] * N, lo, hi);
-    }
+  grouped_jobs(static_cast<int64_t>(ws.size()), xs.size(0), N, K, 4,
+               [&](int64_t g, int64_t lo, int64_t hi) {
+    int8_span_any(count[g], xp + start[g] * K, ws[g], N, K, ss[g], nullptr, yp + start[g] * N,
+                  lo, hi);
   });
 }
 
