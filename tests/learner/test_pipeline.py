@@ -220,7 +220,7 @@ def test_learn_grpo_rejects_a_bad_task_spec_before_loading_anything():
     from agent_runtime.cli import main
     result = CliRunner().invoke(main, ["learn", "grpo", "--tasks", "sim:seeds=3"])
     assert result.exit_code == 2
-    assert "seed=N, phrasings=SHARE and families=A+B" in result.output
+    assert "seed=N, phrasings=SHARE, families=A+B and count=N" in result.output
 
 
 class _Reader:
