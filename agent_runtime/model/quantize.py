@@ -5,11 +5,10 @@ with it, so on a CPU its cost is the bytes it reads. With `quantize(model, "int8
 models) every linear layer a decode step runs (attention's q, k, v and o, the routed experts,
 dense MLPs and the output head; those whose input width is a multiple of 16) also holds a
 copy of its weight as int8, one scale per output row (absmax / 127, the scale rounded to bf16
-first and the ints rounded against it), and
-matmuls of at most `KERNEL_ROWS` rows (decode steps, in Python and in the C++ step) run
-the extension's `int8_rows` on that copy (csrc/decode.cpp): half the bytes of bf16. The
-router and the embeddings keep their weights: a route flipped by rounding changes which experts run, not
-how well.
+first and the ints rounded against it), and matmuls of at most `KERNEL_ROWS` rows (decode
+steps, in Python and in the C++ step) run the extension's `int8_rows` on that copy
+(csrc/decode.cpp): half the bytes of bf16. The router and the embeddings keep their weights:
+a route flipped by rounding changes which experts run, not how well.
 
 What it leaves alone: matmuls of many rows (prefill, scoring) use the full weights, where the
 work is arithmetic and int8 saves nothing; the model's parameters and `state_dict` are the
@@ -62,9 +61,10 @@ def int8_linear(x: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor],
 
 
 def quantizable(w: torch.Tensor) -> bool:
-    """Whether weight w [..., N, K] gets an int8 copy: the kernel steps through K 16 at a
-    time with no tail, so K % 16 == 0 (every linear layer of the default model and of the
-    common MoE checkpoints)."""
+    """Whether weight w [..., N, K] gets an int8 copy: K % 16 == 0 (every linear layer of the
+    default model and of the common MoE checkpoints), which torch's kernel, the fallback
+    without a compiler, needs (it steps through K 16 at a time with no tail); ours does not,
+    but the two paths keep one rule so a model gets the same copies either way."""
     return w.shape[-1] % 16 == 0
 
 
@@ -73,9 +73,10 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     `mode` "int8", the only one). Returns the model."""
     if mode not in MODES:
         raise ValueError(f"quantize: unknown mode {mode!r} (known: {', '.join(MODES)})")
-    if model.dtype != torch.bfloat16:       # torch's fp32 int8 kernel is scalar code
+    if model.dtype != torch.bfloat16:       # `int8_rows` takes bf16 rows
         raise ValueError(f"quantize: int8 weights serve bfloat16 models, this one is "
-                         f"{str(model.dtype).removeprefix('torch.')} (--dtype bfloat16)")
+                         f"{str(model.dtype).removeprefix('torch.')} (load it with dtype "
+                         f"bfloat16)")
     if model.embed_tokens.weight.device.type != "cpu":
         raise ValueError("quantize: int8 decode runs on the CPU")
     model.quantized = mode

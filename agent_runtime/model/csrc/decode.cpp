@@ -50,6 +50,23 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
+inline float widen(uint16_t v) { return bf16_to_float(v); }   // a weight as fp32, exactly
+inline float widen(int8_t v) { return static_cast<float>(v); }
+
+// The fp32 lanes of NB x M dot products without vector instructions: lane l of acc[j][m]
+// sums x[m][k] * w[n + j][k] over the k = l (mod 16), in increasing k
+template <int M, int NB, class W>
+inline void dot_lanes(const float* x, const W* w, int64_t K, int64_t n,
+                      float (&acc)[NB][M][kLanes]) {
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const int64_t width = std::min<int64_t>(kLanes, K - k);
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m)
+        for (int64_t l = 0; l < width; ++l)
+          acc[j][m][l] = std::fma(x[m * K + k + l], widen(w[(n + j) * K + k + l]), acc[j][m][l]);
+  }
+}
+
 inline float lane_sum(const float* a) {
   float s8[8], s4[4];
   for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
@@ -193,14 +210,7 @@ template <int M, int NB, class Out>
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      Out* y, int64_t N) {
   float acc[NB][M][kLanes] = {};
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const int64_t width = std::min<int64_t>(kLanes, K - k);
-    for (int j = 0; j < NB; ++j)
-      for (int m = 0; m < M; ++m)
-        for (int64_t l = 0; l < width; ++l)
-          acc[j][m][l] = std::fma(x[m * K + k + l], bf16_to_float(w[(n + j) * K + k + l]),
-                                  acc[j][m][l]);
-  }
+  dot_lanes<M, NB>(x, w, K, n, acc);
   store_rows<M, NB>(acc, n, bias, y, N);
 }
 #endif
@@ -362,6 +372,22 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
 template <int M>
 constexpr int kBlock = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
 
+// f(std::integral_constant<int, M>()) for a run-time row count M in 1..kRows (more: 8), so
+// each kernel is compiled once per row count and chosen by one switch
+template <class F>
+void with_rows(int64_t M, F f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    default: f(std::integral_constant<int, 8>()); break;
+  }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define APPRENTICE_AMX 1
 // ---- the same products on AMX tiles (CPUs with AMX-BF16: Sapphire Rapids and later) -------
@@ -505,16 +531,7 @@ void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const fl
 template <class Out>
 void rows_range_any(int64_t M, const XRow* x, const uint16_t* w, int64_t N, int64_t K,
                     const float* bias, Out* y, int64_t begin, int64_t end) {
-  switch (M) {
-    case 1: rows_range<1>(x, w, N, K, bias, y, begin, end); break;
-    case 2: rows_range<2>(x, w, N, K, bias, y, begin, end); break;
-    case 3: rows_range<3>(x, w, N, K, bias, y, begin, end); break;
-    case 4: rows_range<4>(x, w, N, K, bias, y, begin, end); break;
-    case 5: rows_range<5>(x, w, N, K, bias, y, begin, end); break;
-    case 6: rows_range<6>(x, w, N, K, bias, y, begin, end); break;
-    case 7: rows_range<7>(x, w, N, K, bias, y, begin, end); break;
-    default: rows_range<8>(x, w, N, K, bias, y, begin, end); break;
-  }
+  with_rows(M, [&](auto m) { rows_range<decltype(m)::value>(x, w, N, K, bias, y, begin, end); });
 }
 
 // Multiply-adds a thread takes on at least: less stays on the calling thread, where waking
@@ -532,10 +549,6 @@ void rows_kernel(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const f
   });
 }
 
-// For each group g (an expert's rows of x, rows [start[g], start[g] + count[g]) of xs), its
-// outputs y[rows] = xs[rows] @ ws[g]^T: the groups' output columns cut into pieces of about
-// 64k weights and all pieces spread over the threads in one parallel region, so a few rows
-// through several small matrices keep both cores busy and each matrix is read once.
 // The parallel region of a grouped product: `span(g, lo, hi)` computes group g's outputs
 // lo..hi; `step` is the output rows a kernel step takes, `rows` all groups' rows of x.
 template <class Span>
@@ -554,6 +567,10 @@ void grouped_jobs(int64_t groups, int64_t rows, int64_t N, int64_t K, int64_t st
   });
 }
 
+// For each group g (an expert's rows of x, rows [start[g], start[g] + count[g]) of xs), its
+// outputs y[rows] = xs[rows] @ ws[g]^T: the groups' output columns cut into pieces of about
+// 64k weights and all pieces spread over the threads in one parallel region, so a few rows
+// through several small matrices keep both cores busy and each matrix is read once.
 void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
                   const std::vector<int64_t>& start, const std::vector<int64_t>& count,
                   int64_t N, int64_t K, at::Tensor& y) {
@@ -596,13 +613,7 @@ inline void dot_rows_i8(const float* x, const int8_t* w, int64_t K, int64_t n,
   if (k < K) step(k, __mmask16((1u << (K - k)) - 1));
 #else
   float acc[NB][M][kLanes] = {};
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const int64_t width = std::min<int64_t>(kLanes, K - k);
-    for (int j = 0; j < NB; ++j)
-      for (int m = 0; m < M; ++m)
-        for (int64_t l = 0; l < width; ++l)
-          acc[j][m][l] = std::fma(x[m * K + k + l], float(w[(n + j) * K + k + l]), acc[j][m][l]);
-  }
+  dot_lanes<M, NB>(x, w, K, n, acc);
 #endif
   store_rows<M, NB>(acc, n, bias, y, N, scale);
 }
@@ -617,21 +628,6 @@ void int8_span(const float* x, const int8_t* w, int64_t N, int64_t K, const floa
   for (; n < end; ++n) dot_rows_i8<M, 1>(x, w, K, n, scale, bias, y, N);
 }
 
-void int8_span_any(int64_t M, const float* x, const int8_t* w, int64_t N, int64_t K,
-                   const float* scale, const float* bias, at::BFloat16* y, int64_t begin,
-                   int64_t end) {
-  switch (M) {
-    case 1: int8_span<1>(x, w, N, K, scale, bias, y, begin, end); break;
-    case 2: int8_span<2>(x, w, N, K, scale, bias, y, begin, end); break;
-    case 3: int8_span<3>(x, w, N, K, scale, bias, y, begin, end); break;
-    case 4: int8_span<4>(x, w, N, K, scale, bias, y, begin, end); break;
-    case 5: int8_span<5>(x, w, N, K, scale, bias, y, begin, end); break;
-    case 6: int8_span<6>(x, w, N, K, scale, bias, y, begin, end); break;
-    case 7: int8_span<7>(x, w, N, K, scale, bias, y, begin, end); break;
-    default: int8_span<8>(x, w, N, K, scale, bias, y, begin, end); break;
-  }
-}
-
 // `grouped_rows` for int8 weights (ws[g], its scales ss[g]): x's rows fp32, y bf16
 void grouped_rows_i8(const at::Tensor& xs, const std::vector<const int8_t*>& ws,
                      const std::vector<const float*>& ss, const std::vector<int64_t>& start,
@@ -641,11 +637,12 @@ void grouped_rows_i8(const at::Tensor& xs, const std::vector<const int8_t*>& ws,
   auto* yp = y.data_ptr<at::BFloat16>();
   grouped_jobs(static_cast<int64_t>(ws.size()), xs.size(0), N, K, 4,
                [&](int64_t g, int64_t lo, int64_t hi) {
-    int8_span_any(count[g], xp + start[g] * K, ws[g], N, K, ss[g], nullptr, yp + start[g] * N,
-                  lo, hi);
+    with_rows(count[g], [&](auto m) {
+      int8_span<decltype(m)::value>(xp + start[g] * K, ws[g], N, K, ss[g], nullptr,
+                                    yp + start[g] * N, lo, hi);
+    });
   });
 }
-
 
 }  // namespace
 
@@ -797,10 +794,13 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const float* sp = sf.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t NB = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  const int64_t grain = std::max<int64_t>(NB, kGrainMacs / (K * M) / NB * NB);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    int8_span_any(M, xp, wp, N, K, sp, bp, yp, begin, end);
+  with_rows(M, [&](auto m) {
+    constexpr int R = decltype(m)::value;
+    constexpr int64_t NB = kBlock<R>;
+    const int64_t grain = std::max<int64_t>(NB, kGrainMacs / (K * R) / NB * NB);
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      int8_span<R>(xp, wp, N, K, sp, bp, yp, begin, end);
+    });
   });
   return y;
 }
@@ -822,19 +822,9 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
-  switch (M) {
-    case 1: rows_kernel<1>(xp, wp, N, K, bp, yp); break;
-    case 2: rows_kernel<2>(xp, wp, N, K, bp, yp); break;
-    case 3: rows_kernel<3>(xp, wp, N, K, bp, yp); break;
-    case 4: rows_kernel<4>(xp, wp, N, K, bp, yp); break;
-    case 5: rows_kernel<5>(xp, wp, N, K, bp, yp); break;
-    case 6: rows_kernel<6>(xp, wp, N, K, bp, yp); break;
-    case 7: rows_kernel<7>(xp, wp, N, K, bp, yp); break;
-    default: rows_kernel<8>(xp, wp, N, K, bp, yp); break;
-  }
+  with_rows(M, [&](auto m) { rows_kernel<decltype(m)::value>(xp, wp, N, K, bp, yp); });
   return y;
 }
-
 
 // Attention in bf16 without autograd (decode steps and prefill), row by row: q [B, KV, G, T,
 // D] (the G query heads that share kv head h, T new positions each), k and v [B, KV, S, D]
