@@ -14,7 +14,9 @@ the memory-bandwidth bound of decode (active bytes per token over the memory ban
 measured just before and after our decode) and our share of it, the
 matmul bound of prefill (operations per token over the measured speed of one large matmul)
 and the ratios ours/transformers; with --rows N, last, our decode tokens/s with N rows of one
-batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike;
+batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike,
+and the most that ratio could be if both read their weights at one bandwidth (N rows read the
+union of their experts: measured from their routes);
 with --quantize int8, last, bf16 decode with int8 copies of the weights (`quantize`) against
 bf16, with its own bandwidth bound (fewer bytes a token) and how many greedy tokens agree.
 """
@@ -115,6 +117,14 @@ def active_bytes(model: MoEModel) -> int:
     return total * size
 
 
+def rows_bytes(model: MoEModel, experts: float) -> float:
+    """`active_bytes` of a decode step whose rows together route to `experts` experts a layer
+    (one row: top_k): a batch of rows reads each routed expert once, but more of them."""
+    a = model.args
+    expert = 3 * a.hidden_size * a.expert_size * model.embed_tokens.weight.element_size()
+    return active_bytes(model) + a.num_moe_layers * (experts - a.top_k) * expert
+
+
 def int8_active_bytes(model: MoEModel) -> int:
     """`active_bytes` of a model with int8 copies (`quantize`): a weight with a copy is read as
     one byte an entry plus its scales."""
@@ -157,14 +167,23 @@ def time_forward(model, prompt, device, reps):
 
 
 def time_rows(model, prompt, new, device, reps, rows):
-    """Decode tokens/s of `rows` sampled rows of one prompt in one batch (all rows' tokens)."""
+    """Decode tokens/s of `rows` sampled rows of one prompt in one batch (all rows' tokens),
+    and the experts a decode step of them reads per layer (mean over steps and layers: the
+    union of the rows' routes)."""
     def run(n):
         return timed(device, lambda: generate(
-            model, [prompt] * rows, SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)))[0]
+            model, [prompt] * rows, SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)))
     run(4)
-    pre = statistics.median(run(1) for _ in range(reps))
-    full = statistics.median(run(new) for _ in range(reps))
-    return rows * (new - 1) / (full - pre)
+    pre = statistics.median(run(1)[0] for _ in range(reps))
+    full = [run(new) for _ in range(reps)]
+    gens = full[0][1]
+    steps = min(len(g.tokens) for g in gens) - 1       # decode steps every row took
+    fed = torch.stack([g.routes[len(prompt):len(prompt) + steps].long() for g in gens])
+    hot = torch.zeros(steps, fed.shape[2], model.args.num_experts, dtype=torch.bool)
+    for r in range(rows):                              # fed [rows, steps, L, k]
+        hot.scatter_(2, fed[r], True)
+    experts = float(hot.sum(-1).float().mean()) if steps > 0 else float(model.args.top_k)
+    return rows * (new - 1) / (statistics.median(t for t, _ in full) - pre), experts
 
 
 def time_hf(model, prompt, new, device, reps):
@@ -209,6 +228,7 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         ours = load_model(path, dtype=dtype, device=args.device)
+        ours_args = ours.args
         compute = matmul_flops(args.device, ours.dtype) / prefill_flops(ours, args.prompt_len)
         bw = memory_bandwidth(args.device)       # on both sides: the machine's varies by 2x
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
@@ -219,9 +239,11 @@ def main() -> None:
                "ours_decode": (args.new_tokens - 1) / (full - pre), "bandwidth": bw,
                "bound": bw / active_bytes(ours), "compute": compute}
         if args.rows:
-            one = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, 1)
-            many = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, args.rows)
-            row.update(rows_1=one, rows_n=many)
+            one, _ = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, 1)
+            many, experts = time_rows(ours, prompt, args.new_tokens, args.device, args.reps,
+                                      args.rows)
+            row.update(rows_1=one, rows_n=many, rows_experts=experts,
+                       rows_bound=args.rows * active_bytes(ours) / rows_bytes(ours, experts))
         if args.quantize and ours.dtype == torch.bfloat16:
             quantize(ours, args.quantize)
             bw8 = memory_bandwidth(args.device)
@@ -270,7 +292,9 @@ def main() -> None:
     if args.rows:
         print("batched decode, sampled (tokens/s of all rows): " + "  ".join(
             f"{r['dtype']}: rows {args.rows} {r['rows_n']:.1f} / rows 1 {r['rows_1']:.1f} = "
-            f"{r['rows_n'] / r['rows_1']:.2f}x" for r in rows))
+            f"{r['rows_n'] / r['rows_1']:.2f}x (their experts: {r['rows_experts']:.1f} a layer, "
+            f"one row's {ours_args.top_k}; at one bandwidth the rows' bytes allow at most "
+            f"{r['rows_bound']:.2f}x)" for r in rows))
     if any("int8_decode" in r for r in rows):
         print("int8 weight copies (bf16 decode, tokens/s): " + "  ".join(
             f"int8 {r['int8_decode']:.1f} (bw bound {r['int8_bound']:.1f}, "
