@@ -68,6 +68,8 @@ class GRPOStageConfig:
                                     # tests passing (`RolloutConfig.partial_credit`; 0: off)
     oracle_start: float = 0.0       # share of groups started after some of the oracle's turns
                                     # (`RolloutConfig.oracle_start`; 0: off)
+    kl_coef: float = 0.0            # weight of a k3 KL penalty to the stage's starting weights
+                                    # (`LossConfig.kl_coef`; 0: off, no reference model kept)
     trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
                                     # trainable`; empty: all), e.g. `learner.online.TRAINABLE`
 
@@ -294,7 +296,8 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
     from learner import config as lc
     return lc.RunConfig(
         model=str(start), tasks=grpo_tasks(g),
-        trainer=lc.TrainerConfig(optim=lc.OptimConfig(lr=g.lr), router_replay=True,
+        trainer=lc.TrainerConfig(loss=lc.LossConfig(kl_coef=g.kl_coef),
+                                 optim=lc.OptimConfig(lr=g.lr), router_replay=True,
                                  temperature=g.temperature, device=device, seed=g.seed,
                                  checkpoint_every=5, precision="auto",
                                  trainable=tuple(g.trainable)),
