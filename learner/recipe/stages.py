@@ -70,6 +70,9 @@ class GRPOStageConfig:
                                     # (`RolloutConfig.oracle_start`; 0: off)
     kl_coef: float = 0.0            # weight of a k3 KL penalty to the stage's starting weights
                                     # (`LossConfig.kl_coef`; 0: off, no reference model kept)
+    balance: bool = False           # a step's negative-advantage tokens weigh what its positive
+                                    # ones do (`LossConfig.balance`): failed episodes run longer,
+                                    # and unweighted their tokens outvote the passes
     trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
                                     # trainable`; empty: all), e.g. `learner.online.TRAINABLE`
 
@@ -296,7 +299,7 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
     from learner import config as lc
     return lc.RunConfig(
         model=str(start), tasks=grpo_tasks(g),
-        trainer=lc.TrainerConfig(loss=lc.LossConfig(kl_coef=g.kl_coef),
+        trainer=lc.TrainerConfig(loss=lc.LossConfig(kl_coef=g.kl_coef, balance=g.balance),
                                  optim=lc.OptimConfig(lr=g.lr), router_replay=True,
                                  temperature=g.temperature, device=device, seed=g.seed,
                                  checkpoint_every=5, precision="auto",
