@@ -75,6 +75,9 @@ class GRPOStageConfig:
                                     # and unweighted their tokens outvote the passes
     trainable: tuple[str, ...] = () # regexes of the parameters that train (`TrainerConfig.
                                     # trainable`; empty: all), e.g. `learner.online.TRAINABLE`
+    average: float = 0.0            # the stage's model: the mean of the policy's weights over
+                                    # this last share of its versions (`averaged_versions`;
+                                    # 0: the final weights)
 
 
 @dataclass
@@ -315,6 +318,29 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
                                    torch_threads=1 if device == "cpu" else 0))
 
 
+def averaged_versions(last: int | None, share: float) -> list[int]:
+    """The versions whose mean is the GRPO stage's model: the last `share` of versions 1..last
+    (version 1 is the starting weights, so a share of 1 averages from the start), at least the
+    last one. Averaging a run's weights along its trajectory (SWA; WARP) keeps what its steps
+    agree on and cancels much of their noise (README, "Weight averaging")."""
+    if not last:
+        return []
+    first = last - int(share * (last - 1)) if share > 0 else last
+    return list(range(max(1, first), last + 1))
+
+
+def load_mean(model, versions, which: list[int]) -> None:
+    """Load the mean of versions `which` of store `versions` (states as the trainer publishes
+    them) into `model`'s weights; a tied output head stays tied to the embeddings."""
+    mean = versions.mean(which)
+    own = model.state_dict()
+    misfit = sorted(k for k, v in mean.items() if k not in own or own[k].shape != v.shape)
+    if misfit:
+        raise ValueError(f"versions {which[0]}-{which[-1]} are not this model's weights: "
+                         f"{misfit[:3]} missing or of another shape")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in mean.items()}, strict=False)
+
+
 def _grpo(out: Path, config: RecipeConfig, log) -> dict:
     """GRPO with the learner's pipeline (router replay on) from the RFT (else SFT) checkpoint."""
     from agent_runtime.policies.engine import EnginePolicy
@@ -343,12 +369,18 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
                              if row.get(k) is not None}))
         trainer = pipe.trainer
         trainer.save_checkpoint({"cursor": pipe.cursor})
-        save_model(trainer.model.to("cpu"), out / "grpo" / "model", dtype="bfloat16",
+        model = trainer.model.to("cpu")
+        averaged = averaged_versions(trainer.version, g.average)
+        if len(averaged) > 1:        # after the checkpoint: the trainer resumes from its own
+            load_mean(model, VersionStore(out / "grpo" / "versions"), averaged)
+            log({"averaged_versions": [averaged[0], averaged[-1]]})
+        save_model(model, out / "grpo" / "model", dtype="bfloat16",
                    max_shard_bytes=MAX_SHARD_BYTES)
         copy_tokenizer(start, out / "grpo" / "model")
         rows = trainer.metrics()
     passes = [r["pass_rate"] for r in rows if r.get("pass_rate") is not None]
     return {"steps": trainer.step_count, "version": trainer.version, "device": device,
+            "averaged_versions": averaged,
             "episodes_trained": stats.episodes_trained, "wall_s": stats.wall_s,
             "train_pass_rate_first": passes[0] if passes else None,
             "train_pass_rate_last": passes[-1] if passes else None,

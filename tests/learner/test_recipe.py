@@ -884,3 +884,34 @@ def test_learn_recipe_rejects_a_bad_set_before_running_anything(tmp_path):
                                      "--set", "grpo.nope=1"])
     assert out.exit_code != 0 and "no field 'nope'" in out.output
     assert not (tmp_path / "r").exists()
+
+
+def test_the_grpo_stage_averages_the_last_share_of_its_versions():
+    from learner.recipe.stages import averaged_versions
+    assert averaged_versions(100, 0.5) == list(range(51, 101))   # SWA over the second half
+    assert averaged_versions(100, 1.0) == list(range(1, 101))    # from the starting weights
+    assert averaged_versions(100, 0.0) == [100]                  # off: the final weights
+    assert averaged_versions(1, 0.5) == [1] and averaged_versions(None, 0.5) == []
+
+
+def test_the_grpo_stage_model_is_the_mean_of_the_published_versions(tok_dir, tmp_path):
+    from learner.recipe.stages import load_mean
+    from learner.versions import VersionStore
+    model = init_model(replace(TINY, tie_embeddings=True), load_tokenizer(tok_dir), 0)
+    store = VersionStore(tmp_path / "versions")
+    states = []
+    for seed in range(3):                 # three versions, as the trainer publishes them
+        g = torch.Generator().manual_seed(seed)
+        state = {k: (v.float() + 0.01 * torch.randn(v.shape, generator=g)).to(torch.bfloat16)
+                 for k, v in model.state_dict().items()}
+        state["lm_head.weight"] = state["embed_tokens.weight"]    # one tensor, as published
+        states.append(state)
+        store.publish(state)
+    load_mean(model, store, [1, 2, 3])
+    for k, v in model.state_dict().items():
+        mean = sum(s[k].float() for s in states) / 3
+        assert torch.allclose(v.float(), mean, rtol=0, atol=1e-6), k
+    assert model.lm_head.weight is model.embed_tokens.weight       # still tied
+    with pytest.raises(ValueError, match="not this model's weights"):
+        load_mean(init_model(replace(TINY, num_experts=4), load_tokenizer(tok_dir), 0), store,
+                  [1, 2])

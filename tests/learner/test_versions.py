@@ -113,3 +113,15 @@ def test_a_damaged_delta_on_disk_is_detected(history):
     path.write_bytes(bytes(data))
     with pytest.raises(delta.DeltaError):
         VersionStore(store.root).state(5)
+
+
+def test_mean_of_versions_is_their_elementwise_mean_in_fp32(history):
+    store, states, versions = history
+    mean = VersionStore(store.root).mean(versions[2:5])
+    for name, t in mean.items():
+        assert t.dtype == torch.float32
+        expected = sum(s[name].float() for s in states[2:5]) / 3
+        assert torch.allclose(t, expected, rtol=0, atol=1e-7)
+    assert equal({k: v.to(states[0][k].dtype) for k, v in store.mean([1]).items()}, states[0])
+    with pytest.raises(ValueError, match="no versions"):
+        store.mean([])
