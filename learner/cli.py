@@ -376,6 +376,23 @@ def report(run_dir: Path | None, out: Path | None) -> None:
     click.echo(f"{len(rows)} steps -> {path}; last: {_progress_line(rows[-1])}")
 
 
+@learn.command("average")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("models", nargs=-1, required=True)
+@click.option("--weights", metavar="A,B", help="One weight per model (default: equal).")
+def average(out: Path, models: tuple[str, ...], weights: str | None) -> None:
+    """Write to OUT the mean of the MODELS' weights (checkpoints of one architecture, e.g. two
+    GRPO runs from one start, or `default`): a model soup."""
+    from agent_runtime.policies import resolve_model_path
+    from learner.merge import average_checkpoints
+    try:
+        ws = [float(w) for w in weights.split(",")] if weights else None
+        path = average_checkpoints([resolve_model_path(m) for m in models], out, ws)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"mean of {len(models)} checkpoints -> {path}")
+
+
 # --- learn recipe: the default model, end to end ---------------------------------------------
 
 @learn.command("recipe")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from agent_runtime.model import load_model, load_tokenizer
+from agent_runtime.model import load_model, load_tokenizer, save_model
 from agent_runtime.model.chat_template import DEFAULT_CHAT_TEMPLATE
 from agent_runtime.model.tokenizer import DEFAULT_PAT_STR
 from learner import tasks as sim
@@ -915,3 +915,27 @@ def test_the_grpo_stage_model_is_the_mean_of_the_published_versions(tok_dir, tmp
     with pytest.raises(ValueError, match="not this model's weights"):
         load_mean(init_model(replace(TINY, num_experts=4), load_tokenizer(tok_dir), 0), store,
                   [1, 2])
+
+
+def test_averaging_checkpoints_writes_the_mean_of_their_weights(tok_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from learner.cli import learn
+    from learner.merge import average_checkpoints
+    from learner.recipe.pretrain import copy_tokenizer
+    models = []
+    for seed in range(2):
+        models.append(init_model(replace(TINY, tie_embeddings=True), load_tokenizer(tok_dir), seed))
+        save_model(models[-1], tmp_path / f"m{seed}", dtype="bfloat16")
+        copy_tokenizer(tok_dir, tmp_path / f"m{seed}")
+    out = average_checkpoints([tmp_path / "m0", tmp_path / "m1"], tmp_path / "mean", [1, 3])
+    saved = load_model(out).state_dict()
+    for k, v in saved.items():
+        parts = [load_model(tmp_path / f"m{i}").state_dict()[k].float() for i in range(2)]
+        assert torch.equal(v, ((parts[0] + 3 * parts[1]) / 4).to(v.dtype)), k
+    assert load_tokenizer(out).encode("def f(x):") == load_tokenizer(tok_dir).encode("def f(x):")
+    other = init_model(replace(TINY, num_experts=4), load_tokenizer(tok_dir), 0)
+    save_model(other, tmp_path / "other")
+    result = CliRunner().invoke(learn, ["average", str(tmp_path / "bad"), str(tmp_path / "m0"),
+                                        str(tmp_path / "other")])
+    assert result.exit_code != 0 and "not the architecture of" in result.output
