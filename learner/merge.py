@@ -12,13 +12,38 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from agent_runtime.model import load_model, save_model
 
 KEEP = ("recipe.json",)          # beside the weights, from the first checkpoint: what made it
+
+
+def mean_state(states: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
+               weights: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+    """The (weighted) element-wise mean, in fp32, of (label, state) pairs holding the same
+    tensors; taken one state at a time, so memory holds two states, not all of them. Raises
+    ValueError naming the first state that does not fit the first one."""
+    total: dict[str, torch.Tensor] = {}
+    first, norm = None, 0.0
+    for i, (label, state) in enumerate(states):
+        w = 1.0 if weights is None else float(weights[i])
+        if first is None:
+            first = label
+            total = {k: v.float() * w for k, v in state.items()}
+        else:
+            misfit = sorted(set(state) ^ set(total)) or sorted(
+                k for k, v in state.items() if v.shape != total[k].shape)
+            if misfit:
+                raise ValueError(f"{label} is not the architecture of {first}: {misfit[:3]}")
+            for k, v in state.items():
+                total[k] += v.float() * w
+        norm += w
+    if first is None:
+        raise ValueError("mean of no states")
+    return {k: v / norm for k, v in total.items()}
 
 
 def average_checkpoints(paths: Sequence[str | Path], out: str | Path,
@@ -35,17 +60,9 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path,
     first = load_model(paths[0])
     dtype = first.dtype
     own = first.state_dict()
-    total = {k: v.float() * weights[0] for k, v in own.items()}
-    for path, w in zip(paths[1:], weights[1:]):
-        state = load_model(path).state_dict()
-        misfit = sorted(set(state) ^ set(total)) or sorted(
-            k for k, v in state.items() if v.shape != total[k].shape)
-        if misfit:
-            raise ValueError(f"{path} is not the architecture of {paths[0]}: {misfit[:3]}")
-        for k, v in state.items():
-            total[k] += v.float() * w
-    norm = sum(weights)
-    first.load_state_dict({k: (v / norm).to(own[k].dtype) for k, v in total.items()})
+    mean = mean_state(((str(p), own if i == 0 else load_model(p).state_dict())
+                       for i, p in enumerate(paths)), weights)
+    first.load_state_dict({k: v.to(own[k].dtype) for k, v in mean.items()})
     out = Path(out)
     save_model(first, out, dtype=dtype, max_shard_bytes=MAX_SHARD_BYTES)
     copy_tokenizer(paths[0], out)
@@ -55,4 +72,4 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path,
     return out
 
 
-__all__ = ["average_checkpoints"]
+__all__ = ["average_checkpoints", "mean_state"]

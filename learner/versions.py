@@ -117,21 +117,11 @@ class VersionStore:
     def mean(self, versions: Sequence[int]) -> State:
         """The element-wise mean of these versions' states, in fp32: the weights of a run
         averaged along its trajectory (stochastic weight averaging, Izmailov et al. 2018; the
-        averaging step of WARP, Rame et al. 2024). Each version is materialized in turn, so
-        memory holds two states, not all of them."""
+        averaging step of WARP, Rame et al. 2024), one version materialized at a time."""
+        from learner.merge import mean_state
         if not versions:
             raise ValueError("mean of no versions")
-        total: dict[str, torch.Tensor] = {}
-        for v in versions:
-            state = self.state(v)
-            if total and state.keys() != total.keys():
-                raise ValueError(f"version {v} holds other tensors than version {versions[0]}")
-            for name, t in state.items():
-                if name in total:
-                    total[name] += t.float()
-                else:
-                    total[name] = t.float().clone()
-        return {name: t / len(versions) for name, t in total.items()}
+        return mean_state((f"version {v}", self.state(v)) for v in versions)
 
     def delta_path(self, from_version: int, to_version: int) -> Path:
         """A file holding the delta from one version to a later one (built on first use)."""
