@@ -78,6 +78,9 @@ class GRPOStageConfig:
     average: float = 0.0            # the stage's model: the mean of the policy's weights over
                                     # this last share of its versions (`averaged_versions`;
                                     # 0: the final weights)
+    runs: int = 1                   # independent runs from the start, run i on the pool of
+                                    # task_seed + i (each with `steps` and `max_seconds`); the
+                                    # stage's model is the mean of their models (WARP's merge)
 
 
 @dataclass
@@ -342,18 +345,50 @@ def load_mean(model, versions, which: list[int]) -> None:
 
 
 def _grpo(out: Path, config: RecipeConfig, log) -> dict:
-    """GRPO with the learner's pipeline (router replay on) from the RFT (else SFT) checkpoint."""
+    """GRPO with the learner's pipeline (router replay on) from the RFT (else SFT) checkpoint;
+    with `runs` > 1, that many independent runs from it on different pools, averaged."""
+    from learner.merge import average_checkpoints
+    from learner.recipe.pretrain import pick_device
+
+    g = config.grpo
+    if g.runs < 1:
+        raise ValueError(f"grpo.runs must be at least 1, not {g.runs}")
+    device = pick_device(g.device)
+    start = _start(out)
+    if g.runs == 1:
+        return _grpo_run(g, start, out / "grpo", device, log)
+    base = g.seed if g.task_seed is None else g.task_seed
+    runs = []
+    for i in range(g.runs):
+        folder = out / "grpo" / f"run{i}"
+        done = folder / "metrics.json"
+        if done.exists():                 # finished before a stop: kept, not run again
+            runs.append(json.loads(done.read_text()))
+            log({"run": i, "done_already": True})
+            continue
+        log({"run": i, "task_seed": base + i})
+        metrics = _grpo_run(replace(g, task_seed=base + i, seed=g.seed + i), start, folder,
+                            device, lambda row, i=i: log({"run": i, **row}))
+        write_json(done, metrics)
+        runs.append(metrics)
+    average_checkpoints([out / "grpo" / f"run{i}" / "model" for i in range(g.runs)],
+                        out / "grpo" / "model")
+    log({"averaged_runs": g.runs})
+    return {"runs": runs, "device": device,
+            **{k: sum(r[k] for r in runs) for k in ("steps", "episodes_trained", "wall_s")}}
+
+
+def _grpo_run(g: GRPOStageConfig, start: Path, folder: Path, device: str, log) -> dict:
+    """One GRPO run from checkpoint `start` into `folder` (run/, home/, versions/, model/);
+    resumes from the run's own checkpoint when it has one."""
     from agent_runtime.policies.engine import EnginePolicy
     from agent_runtime.model import save_model
     from agent_runtime.store import SessionStore
     from learner.pipeline import build
-    from learner.recipe.pretrain import MAX_SHARD_BYTES, copy_tokenizer, pick_device
+    from learner.recipe.pretrain import MAX_SHARD_BYTES, copy_tokenizer
     from learner.versions import VersionStore
 
-    g = config.grpo
-    device = pick_device(g.device)
-    start = _start(out)
-    run_dir = out / "grpo" / "run"
+    run_dir = folder / "run"
     cfg = grpo_run_config(g, start, device)
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -361,8 +396,8 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
         return EnginePolicy.load(str(start), dtype="bfloat16", device=device,
                                  temperature=g.temperature, max_new_tokens=g.max_new_tokens)
 
-    with SessionStore(out / "grpo" / "home") as store:
-        pipe = build(cfg, run_dir, store, VersionStore(out / "grpo" / "versions"), factory)
+    with SessionStore(folder / "home") as store:
+        pipe = build(cfg, run_dir, store, VersionStore(folder / "versions"), factory)
         stats = pipe.run(max_seconds=g.max_seconds or None,
                          on_step=lambda row: log({k: row.get(k) for k in (
                              "step", "version", "reward_mean", "pass_rate", "kl", "flip_rate")
@@ -372,15 +407,14 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
         model = trainer.model.to("cpu")
         averaged = averaged_versions(trainer.version, g.average)
         if len(averaged) > 1:        # after the checkpoint: the trainer resumes from its own
-            load_mean(model, VersionStore(out / "grpo" / "versions"), averaged)
+            load_mean(model, VersionStore(folder / "versions"), averaged)
             log({"averaged_versions": [averaged[0], averaged[-1]]})
-        save_model(model, out / "grpo" / "model", dtype="bfloat16",
-                   max_shard_bytes=MAX_SHARD_BYTES)
-        copy_tokenizer(start, out / "grpo" / "model")
+        save_model(model, folder / "model", dtype="bfloat16", max_shard_bytes=MAX_SHARD_BYTES)
+        copy_tokenizer(start, folder / "model")
         rows = trainer.metrics()
     passes = [r["pass_rate"] for r in rows if r.get("pass_rate") is not None]
     return {"steps": trainer.step_count, "version": trainer.version, "device": device,
-            "averaged_versions": averaged,
+            "task_seed": g.task_seed, "averaged_versions": averaged,
             "episodes_trained": stats.episodes_trained, "wall_s": stats.wall_s,
             "train_pass_rate_first": passes[0] if passes else None,
             "train_pass_rate_last": passes[-1] if passes else None,

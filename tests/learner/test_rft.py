@@ -2,10 +2,12 @@
 way the model wrote them; each round fine-tunes the last round's model and resumes."""
 
 import shutil
+import sqlite3
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent_runtime.model import load_model, load_tokenizer, save_model
 from agent_runtime.model.chat_template import COMPACT_CHAT_TEMPLATE, ChatTemplate
@@ -126,3 +128,42 @@ def test_the_recipe_stage_with_no_rounds_leaves_grpo_and_eval_the_sft_model(mode
     results = run_recipe(out, config, ("rft",), log=lambda line: None)
     assert results["rft"]["rounds"] == [] and not (out / "rft" / "model").exists()
     assert _start(out) == out / "sft" / "model"
+
+
+def test_the_grpo_stage_averages_independent_runs_on_different_pools_and_resumes(model_dir,
+                                                                                 tmp_path):
+    out = tmp_path / "recipe"
+    shutil.copytree(model_dir, out / "sft" / "model")
+    config = toy_recipe()
+    config.grpo = replace(config.grpo, runs=2, task_seed=5)
+    results = run_recipe(out, config, ("grpo",), log=lambda line: None)["grpo"]
+    runs = results["runs"]
+    assert [r["task_seed"] for r in runs] == [5, 6]               # two pools, one start
+    assert results["steps"] == sum(r["steps"] for r in runs) >= 2
+    played = []
+    for i in range(2):
+        with sqlite3.connect(out / "grpo" / f"run{i}" / "home" / "apprentice.db") as db:
+            played.append({row[0] for row in db.execute("SELECT task_id FROM rewards")})
+    assert played[0] and played[1] and not played[0] & played[1]
+    # stopped during its second run, and the first run's model is not the start (a toy
+    # model's groups all fail, so its runs leave the weights as they were): a rerun keeps
+    # the first run as it is on disk, runs the second again, and averages the two
+    first = load_model(out / "grpo" / "run0" / "model")
+    with torch.no_grad():
+        for p in first.parameters():
+            p.add_(0.25)
+    save_model(first, out / "grpo" / "run0" / "model")
+    shutil.rmtree(out / "grpo" / "run1")
+    (out / "grpo" / "metrics.json").unlink()
+    lines: list[str] = []
+    again = run_recipe(out, config, ("grpo",), log=lines.append)["grpo"]
+    assert any("run=0 done_already=True" in line for line in lines)
+    assert again["runs"][0] == runs[0] and again["runs"][1]["task_seed"] == 6
+    parts = [load_model(out / "grpo" / f"run{i}" / "model").state_dict() for i in range(2)]
+    for k, v in load_model(out / "grpo" / "model").state_dict().items():
+        assert torch.equal(v, ((parts[0][k].float() + parts[1][k].float()) / 2).to(v.dtype)), k
+        assert not torch.equal(v, parts[1][k]), k
+    (out / "grpo" / "metrics.json").unlink()
+    config.grpo = replace(config.grpo, runs=0)
+    with pytest.raises(ValueError, match="grpo.runs must be at least 1"):
+        run_recipe(out, config, ("grpo",), log=lambda line: None)
