@@ -11,7 +11,8 @@ tokens (checked identical), and are timed in the same run. Prints prefill (throu
 with one new token, and as a plain forward `model(ids)` with every position's logits, the two
 ways a user meets it) and decode tokens/s,
 the memory-bandwidth bound of decode (active bytes per token over the memory bandwidth
-measured just before and after our decode) and our share of it, the
+measured just before and after our decode) and our share of it, that bound again at the
+read-only bandwidth alone (a copy also writes; decode only reads), the
 matmul bound of prefill (operations per token over the measured speed of one large matmul)
 and the ratios ours/transformers; with --rows N, last, our decode tokens/s with N rows of one
 batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike,
@@ -78,11 +79,17 @@ def timed(device: str, fn):
 def memory_bandwidth(device: str) -> float:
     """Bytes per second the memory delivers: the better of a large tensor copy (read + write
     counted) and a large sum (read only, as decode reads its weights), best of 5 each."""
+    return max(bandwidths(device))
+
+
+def bandwidths(device: str) -> tuple[float, float]:
+    """(copy, read) bytes per second, best of 5 each: a large tensor copy (read + write
+    counted) and a large sum (read only: what decode does with its weights)."""
     x = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
     y = torch.empty_like(x)
     copy = min(timed(device, lambda: y.copy_(x))[0] for _ in range(5))
     read = min(timed(device, lambda: x.sum())[0] for _ in range(5))
-    return max(2 * x.nbytes / copy, x.nbytes / read)
+    return 2 * x.nbytes / copy, x.nbytes / read
 
 
 def matmul_flops(device: str, dtype: torch.dtype) -> float:
@@ -230,14 +237,16 @@ def main() -> None:
         ours = load_model(path, dtype=dtype, device=args.device)
         ours_args = ours.args
         compute = matmul_flops(args.device, ours.dtype) / prefill_flops(ours, args.prompt_len)
-        bw = memory_bandwidth(args.device)       # on both sides: the machine's varies by 2x
+        before = bandwidths(args.device)         # on both sides: the machine's varies by 2x
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
-        bw = max(bw, memory_bandwidth(args.device))
+        after = bandwidths(args.device)
+        bw, read = max(before + after), max(before[1], after[1])
         fwd = time_forward(ours, prompt, args.device, args.reps)
         row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
                "ours_forward": args.prompt_len / fwd,
                "ours_decode": (args.new_tokens - 1) / (full - pre), "bandwidth": bw,
-               "bound": bw / active_bytes(ours), "compute": compute}
+               "bound": bw / active_bytes(ours), "read": read,
+               "read_bound": read / active_bytes(ours), "compute": compute}
         if args.rows:
             one, _ = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, 1)
             many, experts = time_rows(ours, prompt, args.new_tokens, args.device, args.reps,
@@ -278,6 +287,9 @@ def main() -> None:
           "(active weights x 2 + attention, over measured FLOP/s); bw bound: decode tokens/s if "
           "reading the active weights were the only cost, at the best memory bandwidth measured "
           "just before and after our decode; share: ours decode / bw bound")
+    print("the bound read-only (the sum's bandwidth alone, what decode does with its weights): "
+          + "  ".join(f"{r['dtype']}: {r['read'] / 1e9:.1f} GB/s, bound {r['read_bound']:.1f}, "
+                      f"share {r['ours_decode'] / r['read_bound']:.0%}" for r in rows))
     print("prefill two ways (tokens/s): generate with one new token (the table's 'prefill': "
           "the last position's logits only) and a plain forward, model(ids), every position's "
           "logits: " + "  ".join(
