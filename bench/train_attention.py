@@ -1,4 +1,5 @@
-"""Causal attention for training on AMX tiles (`CausalAttention`) against PyTorch's
+"""Causal attention for training in C++ (`CausalAttention`: AMX tiles, or AVX512-BF16 dot
+products on CPUs without them) against PyTorch's
 `scaled_dot_product_attention`, the way the trainers call it, in one run.
 
 Two measurements, settings interleaved: (1) the attention alone, forward and backward, bf16
@@ -109,8 +110,8 @@ def main(argv=None) -> None:
 
     from agent_runtime.model import fast_decode
     ext = fast_decode.extension()
-    if ext is None or not ext.has_amx():
-        sys.exit("the tiles do not serve here: no C++ extension or no AMX-BF16 on this CPU")
+    if ext is None or not ext.has_train_attention():
+        sys.exit("it does not serve here: no C++ extension, or neither AMX-BF16 nor AVX512-BF16")
     torch.set_num_threads(args.threads)
     attention_alone([int(s) for s in args.lengths.split(",")], args.rounds)
     ratio = training_step(args.rows, args.length, args.rounds)

@@ -148,7 +148,7 @@ UPCAST_CPU = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "ZVECTOR"
 
 KERNEL_ROWS = 8  # CPU bf16 matmuls of at most this many rows (decode) run in csrc/decode.cpp
 FUSED_EXPERTS = True  # ... and the routed experts of at most that many bf16 rows, in one call
-TRAIN_ATTENTION = True  # causal bf16 attention with a gradient on AMX tiles (`CausalAttention`)
+TRAIN_ATTENTION = True  # causal bf16 attention with a gradient in C++ (`CausalAttention`)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -190,23 +190,25 @@ def _inference_kernels(*tensors: torch.Tensor):
 
 
 def _trains_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal attention that needs a gradient runs in `CausalAttention` (bf16 on the
-    CPU, head size % 32 == 0, the C++ extension built with AMX tiles and Linux granting
-    them); else `scaled_dot_product_attention` and its backward serve."""
-    if not (TRAIN_ATTENTION and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (q, k, v)) and q.shape[-1] % 32 == 0
+    """Whether causal attention over a whole sequence (no KV cache: a training forward, or
+    the trainer's scoring of its reference model) runs in `CausalAttention` (bf16 on the
+    CPU, head size % 32 == 0, the C++ extension built with AMX tiles or AVX512-BF16); else
+    `scaled_dot_product_attention` and its backward serve, or without a gradient the
+    inference kernel."""
+    if not (TRAIN_ATTENTION and q.shape[-1] % 32 == 0
             and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (q, k, v))):
         return False
     ext = _extension()
-    return ext is not None and ext.has_amx()
+    return ext is not None and ext.has_train_attention()
 
 
 class CausalAttention(torch.autograd.Function):
     """`scaled_dot_product_attention(q, k, v, is_causal=True, scale=, enable_gqa=True)` for
-    bf16 q [B, H, T, D] and k, v [B, KV, T, D], forward and backward in C++ on AMX tiles
-    (`attention_train` in csrc/decode.cpp: flash attention's plan, the log-sum-exp saved and
-    the probabilities recomputed). PyTorch's CPU kernel spent ~5x its forward's time in its
-    backward, a third of a GRPO training step; the values agree with it to bf16 rounding."""
+    bf16 q [B, H, T, D] and k, v [B, KV, T, D], forward and backward in C++ on AMX tiles, or
+    with AVX512-BF16 dot products on CPUs without them (`attention_train` in
+    csrc/decode.cpp: flash attention's plan, the log-sum-exp saved and the probabilities
+    recomputed). PyTorch's CPU kernel spent ~5x its forward's time in its backward, a third
+    of a GRPO training step; the values agree with it to bf16 rounding."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
@@ -287,6 +289,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
         group = a.num_heads // a.num_kv_heads
+        if cache is None and mask is None and causal and T > 1 and _trains_on_tiles(q, k, v):
+            out = CausalAttention.apply(q, k, v, a.scale)      # training (and scoring) in bf16
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
         ext = _inference_kernels(q)   # inference in bf16: row by row in C++ (the C++ decode
         if ext is not None:           # step's attention too, so the two agree bitwise)
             out = ext.attention_rows(q.reshape(B, a.num_kv_heads, group, T, a.head_dim),
@@ -299,11 +304,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.reshape(B, a.num_kv_heads, group, a.head_dim),
                                                  k, v, attn_mask=mask, scale=a.scale)
             return self.o_proj(out.reshape(B, 1, -1).to(x.dtype))
-        if cache is None and mask is None and causal and _trains_on_tiles(q, k, v):
-            out = CausalAttention.apply(q, k, v, a.scale)      # training in bf16 on AMX
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 scale=a.scale, enable_gqa=group > 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=a.scale, enable_gqa=group > 1)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
 
 

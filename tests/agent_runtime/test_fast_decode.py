@@ -386,15 +386,15 @@ def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("B,H,KV,T,D", [(1, 4, 2, 100, 64), (2, 4, 2, 130, 64),
                                         (1, 2, 2, 17, 32), (2, 8, 2, 300, 64)])
 def test_training_attention_on_tiles_is_causal_sdpa_and_its_backward(built, B, H, KV, T, D):
-    """`CausalAttention` (forward and backward in C++ on AMX tiles) against causal
-    `scaled_dot_product_attention` in float64 from the same bf16 inputs: the output and
-    each gradient within 1 % of it, as close as PyTorch's own bf16 kernel comes (its error
-    at most twice that kernel's, plus 0.1 %)."""
+    """`CausalAttention` (forward and backward in C++, on AMX tiles or with AVX512-BF16 dot
+    products) against causal `scaled_dot_product_attention` in float64 from the same bf16
+    inputs: the output and each gradient within 1 % of it, as close as PyTorch's own bf16
+    kernel comes (its error at most twice that kernel's, plus 0.1 %)."""
     import torch.nn.functional as F
 
     from agent_runtime.model.model import CausalAttention
-    if not fast_decode.has_amx():
-        pytest.skip("no AMX-BF16 on this CPU")
+    if not fast_decode.extension().has_train_attention():
+        pytest.skip("neither AMX-BF16 nor AVX512-BF16 on this CPU")
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(B, n, T, D, generator=g).bfloat16() for n in (H, KV, KV))
     grad = torch.randn(B, H, T, D, generator=g).bfloat16()
@@ -416,11 +416,11 @@ def test_training_attention_on_tiles_is_causal_sdpa_and_its_backward(built, B, H
 
 
 def test_a_bf16_model_trains_through_the_tiles(built, tmp_path, monkeypatch):
-    """A bf16 model's training gradients go through `CausalAttention` where the tiles serve,
-    and land as close to the fp32 model's as with PyTorch's kernel."""
+    """A bf16 model's training gradients go through `CausalAttention` where it serves, and
+    land as close to the fp32 model's as with PyTorch's kernel."""
     from agent_runtime.model import model as mm
-    if not fast_decode.has_amx():
-        pytest.skip("no AMX-BF16 on this CPU")
+    if not fast_decode.extension().has_train_attention():
+        pytest.skip("neither AMX-BF16 nor AVX512-BF16 on this CPU")
     path = save_hf_checkpoint("qwen3_moe", tmp_path / "m", head_dim=32)   # the tiles' K: 32 k
     ids = torch.randint(0, VOCAB, (2, 90), generator=torch.Generator().manual_seed(0))
     calls = []

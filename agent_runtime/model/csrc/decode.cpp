@@ -1337,10 +1337,17 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
 // head) in the pairs layout TDPBF16PS takes (keys and values, both ways), so the tiles' sums
 // land row-major. Softmax in fp32 (`scale_visible`, `exp_lanes`), probabilities rounded to
 // bf16 before they meet the values (as a bf16 math path does); gradients accumulated in fp32.
-#if defined(APPRENTICE_AMX)
+// CPUs with AVX512-BF16 and no AMX (AMD Zen 4) run the same plan with `dp_mm` in place of the
+// tiles: PyTorch's kernel there spent 45 % of a GRPO training step in attention.
+#if defined(APPRENTICE_AMX) || defined(__AVX512BF16__)
+#define APPRENTICE_TRAIN_ATTENTION 1
 namespace {
 
 constexpr int64_t kQBlock = 64;                      // positions per query block
+
+#if !defined(APPRENTICE_AMX)
+inline bool amx_ready() { return false; }
+#endif
 
 inline int64_t up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -1381,12 +1388,67 @@ void pack_cols(const uint16_t* x, int64_t R, int64_t C, int64_t ld, int64_t rows
     for (int64_t c = 0; c < C; ++c) out[(c / 2) * 2 * rows + 2 * r + c % 2] = x[r * ld + c];
 }
 
+// `tile_mm` without tiles, for R <= 8 rows of a and 16 NV columns: each output a chain of
+// AVX512-BF16 dot products over the pairs of k in increasing order (one fp32 lane; VDPBF16PS
+// adds a pair's two products to it), a's pair of k broadcast to every lane, b's packed pairs
+// of 16 columns read as they lie. R x NV accumulators stay in registers over all of K.
+template <int R, int NV>
+void dp_block(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t width,
+              int64_t K, float* c, int64_t ldc, bool add) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    const uint16_t* bk = b + (k / 2) * 2 * ldb;
+    __m512bh w[NV];
+    for (int j = 0; j < NV; ++j) w[j] = (__m512bh)_mm512_loadu_si512(bk + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + k, 4);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, w[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) {
+    const int64_t live = std::min<int64_t>(16, width - 16 * j);
+    if (live <= 0) break;
+    const __mmask16 keep = live >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    for (int r = 0; r < R; ++r) {
+      float* out = c + r * ldc + 16 * j;
+      __m512 v = acc[r][j];
+      if (add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, out));
+      _mm512_mask_storeu_ps(out, keep, v);
+    }
+  }
+}
+
+void dp_mm(int64_t M, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+           int64_t N, int64_t K, float* c, int64_t ldc, bool add) {
+  for (int64_t m = 0; m < M; m += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, M - m);
+    for (int64_t n = 0; n < N; n += 32) {
+      const uint16_t* bn = b + 2 * n;
+      float* cn = c + m * ldc + n;
+      const uint16_t* am = a + m * lda;
+      with_rows(rows, [&](auto r) {
+        if (n + 16 < N) dp_block<decltype(r)::value, 2>(am, lda, bn, ldb, N - n, K, cn, ldc, add);
+        else dp_block<decltype(r)::value, 1>(am, lda, bn, ldb, N - n, K, cn, ldc, add);
+      });
+    }
+  }
+}
+
 // c [M, N] (row stride ldc, fp32) = a [M, K] (bf16, row stride lda) @ b, where b [K, N] is
 // packed by pairs of its rows (row stride of the packing: 2 * ldb elements, N <= ldb, both
 // multiples of 16; K % 32 == 0), or c += that product with `add`. M may be any: a's last
-// rows are padded.
+// rows are padded. On AMX tiles where Linux grants them, else `dp_mm`.
 void tile_mm(int64_t M, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
              int64_t N, int64_t K, float* c, int64_t ldc, bool add) {
+  if (!amx_ready()) {
+    dp_mm(M, a, lda, b, ldb, N, K, c, ldc, add);
+    return;
+  }
+#if defined(APPRENTICE_AMX)
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
@@ -1438,6 +1500,7 @@ void tile_mm(int64_t M, const uint16_t* a, int64_t lda, const uint16_t* b, int64
     }
   }
   _tile_release();
+#endif
 }
 
 // out[j] = bf16(x[j] * f) for j < n, 0 for n <= j < width (width % 16 == 0)
@@ -1467,7 +1530,7 @@ Heads heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
               k.sizes() == v.sizes(), name, ": bf16 q [B, H, S, D], k and v [B, KV, S, D]");
   Heads x{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3)};
   TORCH_CHECK(k.size(0) == x.B && k.size(2) == x.S && k.size(3) == x.D && x.H % x.KV == 0 &&
-              x.D % 32 == 0 && amx_ready(), name, ": shapes that do not fit, or no AMX");
+              x.D % 32 == 0, name, ": shapes that do not fit");
   return x;
 }
 
@@ -1616,14 +1679,22 @@ std::vector<at::Tensor> attention_train_backward(const at::Tensor& dout_, const 
 #else
 std::vector<at::Tensor> attention_train(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                         double) {
-  TORCH_CHECK(false, "attention_train: built without AMX");
+  TORCH_CHECK(false, "attention_train: built without AMX or AVX512-BF16");
 }
 std::vector<at::Tensor> attention_train_backward(const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, const at::Tensor&, double) {
-  TORCH_CHECK(false, "attention_train_backward: built without AMX");
+  TORCH_CHECK(false, "attention_train_backward: built without AMX or AVX512-BF16");
 }
 #endif
+
+bool has_train_attention() {
+#if defined(APPRENTICE_TRAIN_ATTENTION)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool has_amx() {
 #if defined(APPRENTICE_AMX)
@@ -1645,7 +1716,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_rows", &attention_rows, "bf16 attention without autograd, row by row");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of bf16 rows without autograd");
   m.def("rope_rows", &rope_rows, "rotary embedding of bf16 q and k without autograd");
-  m.def("attention_train", &attention_train, "causal bf16 attention and its log-sum-exp (AMX)");
+  m.def("attention_train", &attention_train,
+        "causal bf16 attention and its log-sum-exp (AMX tiles, else AVX512-BF16)");
   m.def("attention_train_backward", &attention_train_backward, "its backward: dq, dk, dv");
   m.def("has_amx", &has_amx, "whether AMX tiles serve (built with them, granted by Linux)");
+  m.def("has_train_attention", &has_train_attention,
+        "whether attention_train serves (AMX tiles or AVX512-BF16)");
 }
