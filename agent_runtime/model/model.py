@@ -148,7 +148,7 @@ UPCAST_CPU = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "ZVECTOR"
 
 KERNEL_ROWS = 8  # CPU bf16 matmuls of at most this many rows (decode) run in csrc/decode.cpp
 FUSED_EXPERTS = True  # ... and the routed experts of at most that many bf16 rows, in one call
-TRAIN_ATTENTION = True  # causal bf16 attention with a gradient in C++ (`CausalAttention`)
+TRAIN_ATTENTION = True  # causal bf16 attention without a KV cache in C++ (`CausalAttention`)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -189,7 +189,7 @@ def _inference_kernels(*tensors: torch.Tensor):
     return None
 
 
-def _trains_on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _whole_sequence_in_cpp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether causal attention over a whole sequence (no KV cache: a training forward, or
     the trainer's scoring of its reference model) runs in `CausalAttention` (bf16 on the
     CPU, head size % 32 == 0, the C++ extension built with AMX tiles or AVX512-BF16); else
@@ -289,7 +289,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
         group = a.num_heads // a.num_kv_heads
-        if cache is None and mask is None and causal and T > 1 and _trains_on_tiles(q, k, v):
+        if cache is None and mask is None and causal and T > 1 and _whole_sequence_in_cpp(q, k, v):
             out = CausalAttention.apply(q, k, v, a.scale)      # training (and scoring) in bf16
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
         ext = _inference_kernels(q)   # inference in bf16: row by row in C++ (the C++ decode
