@@ -369,8 +369,13 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
 }
 #endif
 
+// Weight rows a `dot_rows` step takes for M rows of x: NB x M accumulators, M rows of x and NB
+// of w in 32 zmm registers. Each x load then serves NB products; with NB = 1 for 5-8 rows
+// (the earlier table), the step issued one load of x per product and ran at ~54-76 GMAC/s
+// on a 2-core AMD EPYC; NB = 2-3 there took 1.2-1.4x less time (N = 512-1,536, K = 256-1,024,
+// min of 200 calls). The bits do not depend on NB.
 template <int M>
-constexpr int kBlock = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+constexpr int kBlock = M == 1 ? 4 : M == 2 ? 8 : M <= 4 ? 4 : M <= 6 ? 3 : 2;
 
 // f(std::integral_constant<int, M>()) for a run-time row count M in 1..kRows (more: 8), so
 // each kernel is compiled once per row count and chosen by one switch
