@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from agent_runtime import names
-from agent_runtime.model.fast_decode import stepper
+from agent_runtime.model.fast_decode import extension, stepper
 from agent_runtime.model.model import KVCache, ModelOutput, MoEModel
 from agent_runtime.model.prefix_cache import Prefix, PrefixCache, common_prefix
 
@@ -72,25 +72,51 @@ def _filter_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens [B] and their behaviour logprobs [B] from last-position logits [B, V]."""
+    """Next tokens [B] and their behaviour logprobs [B] from last-position logits [B, V].
+    On a CPU without top-k or top-p, the C++ extension's `sample_rows` does it in one pass
+    (the same uniform number per row from `gen`; see its comment), else tensor operations."""
+    fused = _fused_sampler(logits, p)
+    if fused is not None:
+        u = None
+        if p.temperature > 0:                    # `_draw`'s number: the generator's next
+            u = torch.rand(logits.shape[0], generator=gen, device=logits.device)
+        try:
+            return fused(logits, p.temperature, u)
+        except RuntimeError as e:                # NaN logits: the tensor path's garbage
+            log.warning("fused sampler refused a row (%s); sampling with tensor ops", e)
+            if u is not None:
+                return _sample_with(logits.float(), p, u[:, None])
     logits = logits.float()
     if p.temperature <= 0:
         tok = logits.argmax(-1)
         return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+    return _sample_with(logits, p, torch.rand(logits.shape[0], 1, generator=gen,
+                                              device=logits.device))
+
+
+def _sample_with(logits: torch.Tensor, p: SamplingParams, u: torch.Tensor):
     logp = _filter_logprobs(logits, p)
-    tok = _draw(logp.exp(), gen)
+    tok = _draw(logp.exp(), u)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
-def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+def _fused_sampler(logits: torch.Tensor, p: SamplingParams) -> Callable | None:
+    """The extension's `sample_rows` where it serves these logits and parameters, else None."""
+    if logits.device.type != "cpu" or logits.dim() != 2 or (p.temperature > 0 and (
+            (p.top_k and p.top_k < logits.shape[-1]) or p.top_p < 1.0)):
+        return None
+    ext = extension()
+    return None if ext is None else ext.sample_rows
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One index per row [B] drawn from `probs` [B, V] (rows sum to ~1; zeros never drawn) by
-    inverting the row's cumulative sum at one uniform number. `torch.multinomial` draws V
-    exponentials a row (~170 us for V = 8,192 on a CPU core, more than the default model's
-    whole decode step spends on some layers); this draws one."""
+    inverting the row's cumulative sum at `u` [B, 1], uniform in [0, 1). `torch.multinomial`
+    draws V exponentials a row (~170 us for V = 8,192 on a CPU core, more than the default
+    model's whole decode step spends on some layers); this draws one."""
     cum = probs.cumsum(-1)
     total = cum[:, -1:]
-    u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device,
-                   dtype=cum.dtype) * total
+    u = u.to(cum.dtype) * total
     tok = torch.searchsorted(cum, u, right=True)[:, 0]     # first index whose sum exceeds u
     last = (cum < total).sum(-1)                           # the last index with mass (u
     return torch.minimum(tok, last)                        # rounded up to the total)

@@ -294,6 +294,64 @@ def test_rows_linear_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, widt
             assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 100, 8192])
+def test_sample_rows_draws_what_the_tensor_path_draws(built, dtype, vocab):
+    """The fused sampler against `generate`'s tensor path on the same uniform numbers: greedy
+    is argmax (the first of tied maxima) with log_softmax's logprob; sampled at temperature
+    0.7 the same tokens (the inverse of the cumulative sum at u) and logprobs within fp32
+    rounding; tokens at -inf are never drawn, and a row with no finite logit is refused."""
+    from agent_runtime.model import generate as gen_mod
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(64, vocab, generator=g) * 3).to(dtype)
+    logits[:, 3 % vocab] = -float("inf")
+    logits[0, :] = 1.0                                       # ties: the first index wins
+    tok, lp = ext.sample_rows(logits, 0.0)
+    want = logits.float().argmax(-1)
+    assert torch.equal(tok, want) and tok[0] == 0
+    ref = logits.float().log_softmax(-1).gather(-1, want[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+    p = SamplingParams(temperature=0.7)
+    for seed in range(5):
+        u = torch.rand(64, generator=torch.Generator().manual_seed(seed))
+        tok, lp = ext.sample_rows(logits, 0.7, u)
+        want, want_lp = gen_mod._sample_with(logits.float(), p, u[:, None])
+        assert torch.equal(tok, want), seed
+        torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+        assert not (tok[1:] == 3 % vocab).any()              # row 0: all ties, no -inf
+    edge = torch.full((2, vocab), -float("inf"))
+    edge[0, -1] = 0.0                                        # one token with all the mass
+    assert ext.sample_rows(edge[:1], 1.0, torch.tensor([0.999]))[0].tolist() == [vocab - 1]
+    with pytest.raises(RuntimeError, match="no finite maximum"):
+        ext.sample_rows(edge, 1.0, torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match="one uniform number per row"):
+        ext.sample_rows(logits, 1.0)
+
+
+def test_generate_samples_through_the_fused_sampler_as_through_tensor_ops(
+        built, monkeypatch, tmp_path):
+    """`generate` with the fused sampler and with it switched off: the same tokens and
+    logprobs within fp32 rounding, greedy and sampled (same seed), top-p on the tensor path."""
+    from agent_runtime.model import generate as gen_mod
+    model = load_model(save_hf_checkpoint("qwen3_moe", tmp_path / "m"), dtype="bfloat16")
+    prompts = _prompts(9, 14, 5)
+    real = gen_mod._fused_sampler
+    for params in (SamplingParams(max_new_tokens=12),
+                   SamplingParams(max_new_tokens=12, temperature=1.0, seed=4),
+                   SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=4)):
+        calls = []
+        monkeypatch.setattr(gen_mod, "_fused_sampler",
+                            lambda *a: calls.append(real(*a)) or calls[-1])
+        fused = generate(model, prompts, params)
+        monkeypatch.setattr(gen_mod, "_fused_sampler", lambda *a: None)
+        plain = generate(model, prompts, params)
+        assert all(c is not None for c in calls) == (params.top_p == 1.0) and calls
+        for a, b in zip(fused, plain):
+            assert a.tokens == b.tokens
+            assert a.logprobs == pytest.approx(b.logprobs, rel=1e-5, abs=1e-5)
+
+
 def test_the_amx_tiles_and_the_avx512_loop_agree(built, tmp_path):
     """On a CPU with AMX-BF16 the few-row products run on tiles (`amx_range`); with
     APPRENTICE_AMX=0 (read once a process, so in a second one) on the AVX512 loop. Both sum

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from agent_runtime.model import load_model
+from agent_runtime.model import fast_decode, load_model
 from agent_runtime.model.generate import (LoopGuard, SamplingParams, _draw, _filter_logprobs,
                                           generate, prefill_groups)
 from tiny_checkpoints import VOCAB, save_hf_checkpoint
@@ -52,16 +52,29 @@ def test_behaviour_logprob_is_under_the_filtered_distribution():
     assert abs(lp[0, kept].exp().sum().item() - 1) < 1e-6
 
 
-def test_draws_follow_the_distribution_and_never_take_a_token_without_mass():
+def _uniform(n, seed):
+    return torch.rand(n, 1, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_draws_follow_the_distribution_and_never_take_a_token_without_mass(fused):
+    """`_draw` (the tensor path) and the extension's fused `sample_rows` on the same
+    distributions, given as log-probabilities to the latter."""
+    ext = fast_decode.extension() if fused else None
+    if fused and ext is None:
+        pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")
+
+    def draw(probs, u):
+        return ext.sample_rows(probs.log(), 1.0, u[:, 0])[0] if fused else _draw(probs, u)
     probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
-    tokens = _draw(probs.repeat(100_000, 1), torch.Generator().manual_seed(0))
+    tokens = draw(probs.repeat(100_000, 1), _uniform(100_000, 0))
     freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
     assert freq[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
     assert torch.allclose(freq, probs, atol=0.01)                 # ~7 standard errors
     one = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]])               # every uniform, top included
-    assert _draw(one.repeat(1000, 1), torch.Generator().manual_seed(1)).eq(2).all()
+    assert draw(one.repeat(1000, 1), _uniform(1000, 1)).eq(2).all()
     short = torch.tensor([[0.25, 0.75 - 1e-7, 0.0]])              # a total just under 1
-    assert _draw(short.repeat(1000, 1), torch.Generator().manual_seed(2)).lt(2).all()
+    assert draw(short.repeat(1000, 1), _uniform(1000, 2)).lt(2).all()
 
 
 def test_sampled_tokens_respect_top_k(model):
