@@ -1340,9 +1340,9 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
 // that each write [B, V]. Measured on a 2-core AMD EPYC (the default model's vocabulary of
 // 8,192, temperature 0.6, 10th percentile of 400 calls): 8 us against 42 for one row, 44
 // against 652 for a group's 8 rows, where a decode step of the 8 takes ~1.5 ms. The running
-// sum is in double, as ATen's cumsum of floats. Sums in fp32 (`exp_ps`, ~1 ulp): a logprob may differ from
-// `log_softmax`'s in its last bits, and a draw only when u falls within rounding of a token's
-// edge. Returns (tokens [B] long, logprobs [B] fp32).
+// sum is in double, as ATen's cumsum of floats; the total in fp32 (`exp_ps`, ~1 ulp). So a
+// logprob may differ from `log_softmax`'s in its last bits, and a draw only when u falls
+// within rounding of a token's edge. Returns (tokens [B] long, logprobs [B] fp32).
 std::vector<at::Tensor> sample_rows(const at::Tensor& logits, double temperature,
                                     const c10::optional<at::Tensor>& u) {
   RECORD_FUNCTION("apprentice::sample_rows", std::vector<c10::IValue>({logits}));
