@@ -100,10 +100,14 @@ def _sample_with(logits: torch.Tensor, p: SamplingParams, u: torch.Tensor):
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
+FUSED_SAMPLER = os.environ.get("APPRENTICE_FUSED_SAMPLER", "1") != "0"   # read once a process
+
+
 def _fused_sampler(logits: torch.Tensor, p: SamplingParams) -> Callable | None:
-    """The extension's `sample_rows` where it serves these logits and parameters, else None."""
-    if logits.device.type != "cpu" or logits.dim() != 2 or (p.temperature > 0 and (
-            (p.top_k and p.top_k < logits.shape[-1]) or p.top_p < 1.0)):
+    """The extension's `sample_rows` where it serves these logits and parameters, else None
+    (also with APPRENTICE_FUSED_SAMPLER=0, to compare the two paths)."""
+    if not FUSED_SAMPLER or logits.device.type != "cpu" or logits.dim() != 2 or (
+            p.temperature > 0 and ((p.top_k and p.top_k < logits.shape[-1]) or p.top_p < 1.0)):
         return None
     ext = extension()
     return None if ext is None else ext.sample_rows
