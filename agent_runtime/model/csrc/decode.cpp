@@ -1361,7 +1361,7 @@ std::vector<at::Tensor> sample_rows(const at::Tensor& logits, double temperature
   int64_t* tp = tok.data_ptr<int64_t>();
   float* lpp = lp.data_ptr<float>();
   const float t = greedy ? 1.0f : static_cast<float>(temperature);   // s = logits / t
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / V);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / V);   // 8 rows of 8,192: 2 threads
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> e(V);
     for (int64_t b = begin; b < end; ++b) {
