@@ -161,6 +161,21 @@ def time_ours(model, prompt, new, device, reps):
     return pre, statistics.median(t for t, _ in full), full[0][1]
 
 
+def paired_share(model, prompt, new, device, reps, pre):
+    """Median over 2 x reps decodes of each one's tokens/s over the read-only bound measured
+    right after it (best of three 256 MB sums): the share at the memory speed of that
+    moment. The table's share divides the median decode by the best bandwidth seen around
+    all of them, which on a machine whose memory speed swings by 1.5x between seconds sets a
+    median against a peak."""
+    x = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+    shares = []
+    for _ in range(2 * reps):
+        t, _ = timed(device, lambda: generate(model, [prompt], SamplingParams(max_new_tokens=new)))
+        read = x.nbytes / min(timed(device, lambda: x.sum())[0] for _ in range(3))
+        shares.append((new - 1) / (t - pre) / (read / active_bytes(model)))
+    return statistics.median(shares)
+
+
 def time_forward(model, prompt, device, reps):
     """Seconds of one plain forward over the prompt (`model(ids)`, every position's logits),
     the way a user scores a prompt with either engine: no cache, no generate."""
@@ -241,12 +256,13 @@ def main() -> None:
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
         after = bandwidths(args.device)
         bw, read = max(before + after), max(before[1], after[1])
+        paired = paired_share(ours, prompt, args.new_tokens, args.device, args.reps, pre)
         fwd = time_forward(ours, prompt, args.device, args.reps)
         row = {"dtype": dtype, "ours_prefill": args.prompt_len / pre,
                "ours_forward": args.prompt_len / fwd,
                "ours_decode": (args.new_tokens - 1) / (full - pre), "bandwidth": bw,
                "bound": bw / active_bytes(ours), "read": read,
-               "read_bound": read / active_bytes(ours), "compute": compute}
+               "read_bound": read / active_bytes(ours), "paired": paired, "compute": compute}
         if args.rows:
             one, _ = time_rows(ours, prompt, args.new_tokens, args.device, args.reps, 1)
             many, experts = time_rows(ours, prompt, args.new_tokens, args.device, args.reps,
@@ -290,6 +306,8 @@ def main() -> None:
     print("the bound read-only (the sum's bandwidth alone, what decode does with its weights): "
           + "  ".join(f"{r['dtype']}: {r['read'] / 1e9:.1f} GB/s, bound {r['read_bound']:.1f}, "
                       f"share {r['ours_decode'] / r['read_bound']:.0%}" for r in rows))
+    print("paired share (each of 2 x reps decodes over the read-only bound measured right after "
+          "it, median): " + "  ".join(f"{r['dtype']}: {r['paired']:.0%}" for r in rows))
     print("prefill two ways (tokens/s): generate with one new token (the table's 'prefill': "
           "the last position's logits only) and a plain forward, model(ids), every position's "
           "logits: " + "  ".join(
