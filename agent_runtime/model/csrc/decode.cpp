@@ -1377,7 +1377,7 @@ std::vector<at::Tensor> sample_rows(const at::Tensor& logits, double temperature
       }
       mx = _mm512_reduce_max_ps(top);
       const __m512 m = _mm512_set1_ps(mx);
-      for (int64_t i = 0; i < V && arg < 0; i += kLanes) {   // the first index holding it
+      for (int64_t i = 0; greedy && i < V && arg < 0; i += kLanes) {   // the first holding it
         const __mmask16 k = V - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
         const __mmask16 hit = _mm512_mask_cmp_ps_mask(
             k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, r + i), it), m, _CMP_EQ_OQ);
@@ -1402,7 +1402,7 @@ std::vector<at::Tensor> sample_rows(const at::Tensor& logits, double temperature
       }
       total = lane_sum(lanes);
 #endif
-      TORCH_CHECK(arg >= 0 && std::isfinite(mx) && std::isfinite(total),
+      TORCH_CHECK((arg >= 0 || !greedy) && std::isfinite(mx) && std::isfinite(total),
                   "sample_rows: a row of logits with no finite maximum (NaN or all -inf)");
       int64_t pick = arg;
       if (!greedy) {                               // the first running sum above u * total
