@@ -85,11 +85,20 @@ def memory_bandwidth(device: str) -> float:
 def bandwidths(device: str) -> tuple[float, float]:
     """(copy, read) bytes per second, best of 5 each: a large tensor copy (read + write
     counted) and a large sum (read only: what decode does with its weights)."""
-    x = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+    x = sum_buffer(device)
     y = torch.empty_like(x)
     copy = min(timed(device, lambda: y.copy_(x))[0] for _ in range(5))
-    read = min(timed(device, lambda: x.sum())[0] for _ in range(5))
-    return 2 * x.nbytes / copy, x.nbytes / read
+    return 2 * x.nbytes / copy, read_bandwidth(device, x, 5)
+
+
+def sum_buffer(device: str) -> torch.Tensor:
+    """The 256 MB the bandwidth measurements read."""
+    return torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+
+
+def read_bandwidth(device: str, x: torch.Tensor, reps: int) -> float:
+    """Bytes per second a sum of `x` reads, best of `reps`."""
+    return x.nbytes / min(timed(device, lambda: x.sum())[0] for _ in range(reps))
 
 
 def matmul_flops(device: str, dtype: torch.dtype) -> float:
@@ -167,12 +176,11 @@ def paired_share(model, prompt, new, device, reps, pre):
     moment. The table's share divides the median decode by the best bandwidth seen around
     all of them, which on a machine whose memory speed swings by 1.5x between seconds sets a
     median against a peak."""
-    x = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+    x, weights = sum_buffer(device), active_bytes(model)
     shares = []
     for _ in range(2 * reps):
         t, _ = timed(device, lambda: generate(model, [prompt], SamplingParams(max_new_tokens=new)))
-        read = x.nbytes / min(timed(device, lambda: x.sum())[0] for _ in range(3))
-        shares.append((new - 1) / (t - pre) / (read / active_bytes(model)))
+        shares.append((new - 1) / (t - pre) / (read_bandwidth(device, x, 3) / weights))
     return statistics.median(shares)
 
 
