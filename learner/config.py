@@ -90,6 +90,10 @@ class RolloutConfig:
                                     # turns (uniform over its plan; `tasks.oracle.OracleStart`):
                                     # shorter episodes whose outcome the policy's few calls
                                     # decide. Only tasks with an oracle plan (sim); 0: off
+    guide: float = 0.0              # share of the groups in which no episode passed that get
+                                    # the oracle's episode as one more member (`tasks.oracle.
+                                    # GuidePolicy`; LUFFY's off-policy guidance): the group
+                                    # then holds a pass its failures rank below. Sim only; 0: off
 
 
 @dataclass

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -65,6 +65,11 @@ class TrainSample:
                                      # (`decision_end`), None: not known
     loop: tuple[int, ...] = ()       # completion positions repeating a degenerate loop
                                      # (`loop_positions`), trained down by unlikelihood
+    off_policy: bool = False         # written by the oracle, not sampled (`Episode.guide`): no
+                                     # behaviour logprobs, so the trainer takes its own,
+                                     # detached, as the behaviour's (ratio 1: the token's
+                                     # gradient is its advantage times d log p, LUFFY's
+                                     # off-policy term without its shaping)
 
     @property
     def n_tokens(self) -> int:
@@ -77,6 +82,9 @@ class Episode:
     session_id: str
     reward: float
     passed: bool = False
+    guide: bool = False             # the oracle's episode added to the group (off-policy
+                                    # guidance, `RolloutConfig.guide`): its calls train with
+                                    # ratio 1 and count in no pass rate
 
 
 @dataclass
@@ -117,7 +125,7 @@ def group_samples(group: Group, config: LossConfig | None = None) -> list[TrainS
     adv = group_advantages(group.rewards, config.normalize_std)
     if adv is None:
         return []
-    return [train_sample(s, float(a), episode.session_id)
+    return [replace(train_sample(s, float(a), episode.session_id), off_policy=episode.guide)
             for episode, a, samples in zip(group.episodes, adv, group.samples)
             for s in samples if s["completion_ids"]]
 

@@ -70,9 +70,32 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
                        [task] * config.group_size, store,
                        concurrency=config.concurrency, max_steps=config.max_steps,
                        should_stop=should_stop)
-    return Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
-                                   bool(e.passed)) for e in eps],
-                 [store.samples(e.session_id) for e in eps], start)
+    group = Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
+                                    bool(e.passed)) for e in eps],
+                  [store.samples(e.session_id) for e in eps], start)
+    if (config.guide > 0 and not any(e.passed for e in eps) and not should_stop()
+            and _STARTS.random() < config.guide):
+        guided = guide_episode(policy, task, store, should_stop)
+        if guided is not None:
+            group.episodes.append(guided)
+            group.samples.append(store.samples(guided.session_id))
+    return group
+
+
+def guide_episode(policy: Any, task: Any, store: Any,
+                  should_stop: Callable[[], bool] = lambda: False) -> Episode | None:
+    """The oracle's episode of `task` as `policy` would have written it (`GuidePolicy`),
+    recorded and graded like any rollout, as a guide member of a group; None when the oracle
+    did not pass (a broken instance: a guide must be a pass)."""
+    from learner.rollout import run_episode
+    from learner.tasks.oracle import GuidePolicy
+    try:
+        e = run_episode(GuidePolicy(task, policy), task, store, max_steps=30,
+                        should_stop=should_stop)
+    except Exception:                              # a task the oracle cannot play
+        log.warning("guide episode of %s failed:\n%s", task.id, traceback.format_exc())
+        return None
+    return Episode(e.session_id, 1.0, True, guide=True) if e.passed and not e.cheated else None
 
 
 _STARTS = random.Random()       # where groups start (`RolloutConfig.oracle_start`); rollouts
@@ -243,8 +266,8 @@ class Pipeline:
     def _train(self, groups: list[Group], idle_s: float) -> dict:
         t0 = time.perf_counter()
         version, cap = self.trainer.version, self.config.pipeline.max_staleness
-        rewards = [e.reward for g in groups for e in g.episodes]
-        passed = [e.passed for g in groups for e in g.episodes]
+        rewards = [e.reward for g in groups for e in g.episodes if not e.guide]
+        passed = [e.passed for g in groups for e in g.episodes if not e.guide]
         samples, dropped_groups, stale = [], 0, 0
         for g in groups:
             fresh = []
@@ -263,7 +286,8 @@ class Pipeline:
                  "stale_dropped": stale,
                  "staleness_mean": sum(ages) / len(ages) if ages else None,
                  "staleness_max": max(ages) if ages else None, "idle_s": idle_s,
-                 "oracle_starts": sum(g.start > 0 for g in groups)}
+                 "oracle_starts": sum(g.start > 0 for g in groups),
+                 "guided": sum(e.guide for g in groups for e in g.episodes)}
         extra["groups_skipped"], self._skipped = self._skipped, 0
         saved = {"cursor": self.cursor}
         if self.curriculum:
@@ -290,7 +314,7 @@ class Pipeline:
         if self.curriculum:
             with self._lock:
                 self.curriculum.record(self._family.get(group.task_id),
-                                       [e.passed for e in group.episodes],
+                                       [e.passed for e in group.episodes if not e.guide],
                                        self._index.get(group.task_id))
 
     def _set_aside(self, group: Group) -> bool:

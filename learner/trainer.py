@@ -226,7 +226,8 @@ class Trainer:
         acc = _Acc()
         for batch in self.micro_batches(samples):
             for s, out in zip(batch, self.forward_batch(batch, replay)):
-                acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device),
+                if not s.off_policy:
+                    acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device),
                                 s.forced)
         return acc.diagnostics()
 
@@ -250,7 +251,8 @@ class Trainer:
             if self.ref is not None:
                 with torch.no_grad():
                     ref = torch.cat([o.logprobs for o in self.forward_batch(batch, model=self.ref)])
-            behaviour = [torch.tensor(s.logprobs, device=dev) for s in batch]
+            behaviour = [o.logprobs.detach() if s.off_policy
+                         else torch.tensor(s.logprobs, device=dev) for s, o in zip(batch, outs)]
             advantage = token_advantages(batch).to(dev)
             logprobs = torch.cat([o.logprobs for o in outs])
             loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
@@ -262,7 +264,8 @@ class Trainer:
                 if self._work is not None:
                     self._work.grads_to_master()
             for s, out, b in zip(batch, outs, behaviour):
-                acc.add_forward(out, b, s.forced)
+                if not s.off_policy:        # no behaviour policy to compare with
+                    acc.add_forward(out, b, s.forced)
             acc.add_loss(float(loss.detach().sum()), stats)
         updated = n_tok > 0
         grad_norm = math.nan

@@ -68,6 +68,8 @@ class GRPOStageConfig:
                                     # tests passing (`RolloutConfig.partial_credit`; 0: off)
     oracle_start: float = 0.0       # share of groups started after some of the oracle's turns
                                     # (`RolloutConfig.oracle_start`; 0: off)
+    guide: float = 0.0              # share of the groups with no pass given the oracle's
+                                    # episode as one more member (`RolloutConfig.guide`; 0: off)
     kl_coef: float = 0.0            # weight of a k3 KL penalty to the stage's starting weights
                                     # (`LossConfig.kl_coef`; 0: off, no reference model kept)
     balance: bool = False           # a step's negative-advantage tokens weigh what its positive
@@ -313,7 +315,7 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
         rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers, partial_credit=g.partial_credit,
-                                 oracle_start=g.oracle_start),
+                                 oracle_start=g.oracle_start, guide=g.guide),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
                                    seed=g.seed, curriculum=g.curriculum,
                                    max_skipped=g.max_skipped, revisit=g.revisit,

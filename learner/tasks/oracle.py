@@ -116,3 +116,34 @@ class OracleStart:
     def remember(self, message: dict, completion) -> None:
         if not completion.meta.get("oracle") and remembers(self.policy):
             self.policy.remember(message, completion)
+
+
+class GuidePolicy(OraclePolicy):
+    """The oracle's whole episode as `policy` would have written it: each prompt rendered by
+    `policy` (its tokenizer and chat template), each turn the oracle's text encoded by
+    `policy`'s tokenizer and ended with its end-of-turn token, the version `policy`'s. A GRPO
+    group of a task the policy never solves gets this episode as one more member
+    (`RolloutConfig.guide`; LUFFY, Yan et al. 2025: off-policy guidance inside the group), so
+    the group has a pass to rank its failures against. Its logprobs are zeros: no policy
+    sampled these tokens, and training takes the trainer's own instead (`TrainSample.
+    off_policy`)."""
+
+    def __init__(self, task, policy):
+        super().__init__(task, context_window=policy.context_window, version=policy.version,
+                         mentions=bool(getattr(policy, "mentions", False)))
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        stops = list(getattr(policy, "stop_token_ids", ()) or ())
+        self.end = stops[:1]
+
+    def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return list(self.policy.render(messages, tools))
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, **kwargs):
+        c = super().complete(messages, tools, **kwargs)
+        if c.finish_reason != names.FINISH_STOP:
+            return c
+        ids = list(c.completion_ids) + self.end
+        return Completion(text=c.text, prompt_ids=c.prompt_ids, completion_ids=ids,
+                          logprobs=[0.0] * len(ids), finish_reason=c.finish_reason,
+                          version=self.policy.version, meta={"guide": True})

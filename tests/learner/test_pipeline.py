@@ -299,3 +299,36 @@ def test_set_aside_is_bounded_so_a_policy_that_never_varies_still_steps(ckpt, tm
     pipe.run(on_step=rows.append)
     assert [(r["groups_skipped"], r["groups"], r["pass_rate"]) for r in rows] == [(3, 2, 1.0)] * 2
     assert len(drawn) == 2 * (3 + 2)
+
+
+def test_a_group_with_no_pass_gets_the_oracles_episode_as_its_guide(ckpt, tmp_path):
+    """`RolloutConfig.guide` 1: the tiny model fails both episodes, so the group gets a third,
+    the oracle's plan played through the real loop and graded (a pass), with `policy`'s prompt
+    ids and the oracle's turns in `policy`'s tokens, each ended by its end-of-turn token. Only
+    that episode's calls train off-policy, with the largest advantage of the group."""
+    from agent_runtime.policies.engine import EnginePolicy
+    from learner import tasks
+    from learner.config import LossConfig
+    from learner.grpo import group_samples
+    from learner.tasks.oracle import script
+    policy = EnginePolicy.load(str(ckpt))
+    task = tasks.generate("train", 1, seed=0)[0]
+    with SessionStore(tmp_path / "home") as store:
+        group = pipeline.run_sim_group(policy, task, store,
+                                       RolloutConfig(group_size=2, concurrency=1, max_steps=2,
+                                                     max_new_tokens=8, guide=1.0))
+        assert [e.guide for e in group.episodes] == [False, False, True]
+        assert [e.passed for e in group.episodes] == [False, False, True]
+        guide = group.samples[2]
+        assert [policy.tokenizer.decode(s["completion_ids"][:-1]) for s in guide] == script(task)
+        assert all(s["completion_ids"][-1] in policy.stop_token_ids for s in guide)
+        reward = store.rewards(group.episodes[2].session_id)[0]
+        assert reward["passed"] and reward["task_id"] == task.id
+        own = store.samples(group.episodes[0].session_id)
+    assert guide[0]["prompt_ids"] == own[0]["prompt_ids"]     # the same first prompt
+    trained = group_samples(group, LossConfig())
+    off = [s for s in trained if s.off_policy]
+    assert len(off) == len(guide) and all(s.advantage > 0 for s in off)
+    assert all(s.advantage < 0 for s in trained if not s.off_policy)
+    assert max(s.advantage for s in trained) == off[0].advantage
+

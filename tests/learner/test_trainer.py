@@ -476,3 +476,31 @@ def test_optional_kl_penalty_keeps_a_frozen_reference(ckpt, tmp_path):
     assert first["ref_kl"] == pytest.approx(0.0, abs=1e-9)    # model == reference at step 1
     assert second["ref_kl"] > 0
     assert all(not p.requires_grad for p in t.ref.parameters())
+
+
+def test_an_off_policy_sample_trains_at_ratio_one_whatever_logprobs_it_carries(ckpt, tmp_path):
+    """A guide's call (`TrainSample.off_policy`: the oracle wrote it, no policy sampled it)
+    carries zeros for logprobs; the trainer takes its own, detached, as the behaviour's, so
+    the step equals the step on the same tokens recorded with exactly the trainer's
+    logprobs: A * d log p per token, unclipped. Read as an on-policy sample, the zeros would
+    give another step. It adds nothing to the behaviour KL, which has no behaviour to measure."""
+    sample = replace(rollouts(ckpt, n=2, seed=2)[1], routes=None)
+    assert sample.advantage > 0
+    zeros = replace(sample, logprobs=[0.0] * sample.n_tokens)
+    probe = Trainer(load_model(ckpt, dtype=torch.float32), tmp_path / "probe", TrainerConfig())
+    perturb(probe.model)
+    with torch.no_grad():
+        own = probe.forward(sample).logprobs.tolist()
+    grads, rows = [], []
+    for name, s in (("guide", replace(zeros, off_policy=True)),
+                    ("own", replace(sample, logprobs=own)), ("zeros", zeros)):
+        t = Trainer(load_model(ckpt, dtype=torch.float32), tmp_path / name,
+                    TrainerConfig(optim=OptimConfig(lr=1e-2, grad_clip=0.0)))
+        perturb(t.model)
+        rows.append(t.step([s]))
+        grads.append({n: p.grad for n, p in t.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g, rtol=1e-4, atol=1e-7)
+    assert any(not torch.allclose(grads[2][n], g, rtol=1e-2, atol=1e-5) for n, g in grads[1].items())
+    assert np.isnan(rows[0]["kl"]) and not np.isnan(rows[1]["kl"])
