@@ -93,7 +93,8 @@ class RolloutConfig:
     guide: float = 0.0              # share of the groups in which no episode passed that get
                                     # the oracle's episode as one more member (`tasks.oracle.
                                     # GuidePolicy`; LUFFY's off-policy guidance): the group
-                                    # then holds a pass its failures rank below. Sim only; 0: off
+                                    # then holds a pass its failures rank below. Sim only, groups
+                                    # not oracle-started; 0: off
 
 
 @dataclass

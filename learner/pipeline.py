@@ -73,8 +73,8 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     group = Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
                                     bool(e.passed)) for e in eps],
                   [store.samples(e.session_id) for e in eps], start)
-    if (config.guide > 0 and not any(e.passed for e in eps) and not should_stop()
-            and _STARTS.random() < config.guide):
+    if (config.guide > 0 and not start and not any(e.passed for e in eps)   # a guide is
+            and not should_stop() and _STARTS.random() < config.guide):    # a whole episode
         guided = guide_episode(policy, task, store, should_stop)
         if guided is not None:
             group.episodes.append(guided)
