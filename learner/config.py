@@ -31,6 +31,8 @@ class LossConfig:
                                     # (`balance_scale`; KTO's class weights)
     unlikelihood: float = 0.0       # weight of -log(1 - p) on the tokens of a degenerate
                                     # loop a call was cut off in (`TrainSample.loop`; 0 = off)
+    guided_failures: bool = True    # a guided group's failures train (pushed down below its
+                                    # guide, `RolloutConfig.guide`); False: only the guide trains
 
 
 @dataclass

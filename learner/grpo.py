@@ -120,13 +120,16 @@ def group_advantages(rewards: Sequence[float], normalize_std: bool = False,
 
 def group_samples(group: Group, config: LossConfig | None = None) -> list[TrainSample]:
     """Training samples of a group: each episode's advantage on every one of its model calls
-    (all segments); [] for a zero-variance group. Calls with no completion are skipped."""
+    (all segments); [] for a zero-variance group. Calls with no completion are skipped, and
+    without `config.guided_failures` a guided group trains its guide's calls only."""
     config = config or LossConfig()
     adv = group_advantages(group.rewards, config.normalize_std)
     if adv is None:
         return []
+    guided = any(e.guide for e in group.episodes)
     return [replace(train_sample(s, float(a), episode.session_id), off_policy=episode.guide)
             for episode, a, samples in zip(group.episodes, adv, group.samples)
+            if episode.guide or not guided or config.guided_failures
             for s in samples if s["completion_ids"]]
 
 

@@ -70,6 +70,8 @@ class GRPOStageConfig:
                                     # (`RolloutConfig.oracle_start`; 0: off)
     guide: float = 0.0              # share of the groups with no pass given the oracle's
                                     # episode as one more member (`RolloutConfig.guide`; 0: off)
+    guided_failures: bool = True    # a guided group's failures train too
+                                    # (`LossConfig.guided_failures`; False: its guide only)
     kl_coef: float = 0.0            # weight of a k3 KL penalty to the stage's starting weights
                                     # (`LossConfig.kl_coef`; 0: off, no reference model kept)
     balance: bool = False           # a step's negative-advantage tokens weigh what its positive
@@ -307,7 +309,8 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
     from learner import config as lc
     return lc.RunConfig(
         model=str(start), tasks=grpo_tasks(g),
-        trainer=lc.TrainerConfig(loss=lc.LossConfig(kl_coef=g.kl_coef, balance=g.balance),
+        trainer=lc.TrainerConfig(loss=lc.LossConfig(kl_coef=g.kl_coef, balance=g.balance,
+                                                        guided_failures=g.guided_failures),
                                  optim=lc.OptimConfig(lr=g.lr), router_replay=True,
                                  temperature=g.temperature, device=device, seed=g.seed,
                                  checkpoint_every=5, precision="auto",

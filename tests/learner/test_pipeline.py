@@ -331,4 +331,7 @@ def test_a_group_with_no_pass_gets_the_oracles_episode_as_its_guide(ckpt, tmp_pa
     assert len(off) == len(guide) and all(s.advantage > 0 for s in off)
     assert all(s.advantage < 0 for s in trained if not s.off_policy)
     assert max(s.advantage for s in trained) == off[0].advantage
+    alone = group_samples(group, LossConfig(guided_failures=False))
+    assert [s.session_id for s in alone] == [s.session_id for s in off]
+    assert all(s.off_policy for s in alone)
 
