@@ -100,6 +100,11 @@ class Group:
         return [e.reward for e in self.episodes]
 
     @property
+    def sampled(self) -> list[Episode]:
+        """The episodes the policy played (not a guide): what pass rates count."""
+        return [e for e in self.episodes if not e.guide]
+
+    @property
     def min_version(self) -> int:
         versions = [s["policy_version"] for ss in self.samples for s in ss]
         return min(versions) if versions else 0

@@ -266,8 +266,8 @@ class Pipeline:
     def _train(self, groups: list[Group], idle_s: float) -> dict:
         t0 = time.perf_counter()
         version, cap = self.trainer.version, self.config.pipeline.max_staleness
-        rewards = [e.reward for g in groups for e in g.episodes if not e.guide]
-        passed = [e.passed for g in groups for e in g.episodes if not e.guide]
+        rewards = [e.reward for g in groups for e in g.sampled]
+        passed = [e.passed for g in groups for e in g.sampled]
         samples, dropped_groups, stale = [], 0, 0
         for g in groups:
             fresh = []
@@ -287,7 +287,7 @@ class Pipeline:
                  "staleness_mean": sum(ages) / len(ages) if ages else None,
                  "staleness_max": max(ages) if ages else None, "idle_s": idle_s,
                  "oracle_starts": sum(g.start > 0 for g in groups),
-                 "guided": sum(e.guide for g in groups for e in g.episodes)}
+                 "guided": sum(len(g.episodes) - len(g.sampled) for g in groups)}
         extra["groups_skipped"], self._skipped = self._skipped, 0
         saved = {"cursor": self.cursor}
         if self.curriculum:
@@ -314,7 +314,7 @@ class Pipeline:
         if self.curriculum:
             with self._lock:
                 self.curriculum.record(self._family.get(group.task_id),
-                                       [e.passed for e in group.episodes if not e.guide],
+                                       [e.passed for e in group.sampled],
                                        self._index.get(group.task_id))
 
     def _set_aside(self, group: Group) -> bool:

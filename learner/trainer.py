@@ -228,7 +228,7 @@ class Trainer:
             for s, out in zip(batch, self.forward_batch(batch, replay)):
                 if not s.off_policy:
                     acc.add_forward(out, torch.tensor(s.logprobs, device=out.logprobs.device),
-                                s.forced)
+                                    s.forced)
         return acc.diagnostics()
 
     # -- one update -------------------------------------------------------------------------

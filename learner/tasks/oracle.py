@@ -146,4 +146,4 @@ class GuidePolicy(OraclePolicy):
         ids = list(c.completion_ids) + self.end
         return Completion(text=c.text, prompt_ids=c.prompt_ids, completion_ids=ids,
                           logprobs=[0.0] * len(ids), finish_reason=c.finish_reason,
-                          version=self.policy.version, meta={"guide": True})
+                          version=self.policy.version)

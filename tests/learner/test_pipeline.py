@@ -334,4 +334,3 @@ def test_a_group_with_no_pass_gets_the_oracles_episode_as_its_guide(ckpt, tmp_pa
     alone = group_samples(group, LossConfig(guided_failures=False))
     assert [s.session_id for s in alone] == [s.session_id for s in off]
     assert all(s.off_policy for s in alone)
-
