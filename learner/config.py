@@ -33,6 +33,12 @@ class LossConfig:
                                     # loop a call was cut off in (`TrainSample.loop`; 0 = off)
     guided_failures: bool = True    # a guided group's failures train (pushed down below its
                                     # guide, `RolloutConfig.guide`); False: only the guide trains
+    guide_weight: float = 1.0       # weight of an off-policy (guide) token's term
+    guide_shaping: float = 0.0      # gamma of LUFFY's policy shaping on off-policy tokens: the
+                                    # term is A * p / (p + gamma) (gradient A * gamma p /
+                                    # (p + gamma)^2 d log p, largest at p = gamma, small for
+                                    # tokens the policy already writes or finds absurd);
+                                    # 0: A * ratio at ratio 1 (gradient A d log p, SFT's)
 
 
 @dataclass

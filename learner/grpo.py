@@ -283,11 +283,15 @@ KL_MAX = 10.0
 
 def policy_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
                 config: LossConfig | None = None,
-                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                ref_logprobs: torch.Tensor | None = None,
+                off_policy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """Per-token losses [N] (sum them and divide by the batch's token count) and statistics.
 
     logprobs [N] (with grad), behaviour [N], advantages [N] (the sample's advantage repeated
-    on each of its tokens), ref_logprobs [N] when `kl_coef` > 0.
+    on each of its tokens), ref_logprobs [N] when `kl_coef` > 0, off_policy [N] (bool) the
+    tokens no behaviour policy sampled (a guide's): unclipped, `guide_weight` x A x ratio
+    (ratio 1: their behaviour is the trainer's own logprobs, detached), or with
+    `guide_shaping` gamma, `guide_weight` x A x p / (p + gamma) (LUFFY's policy shaping).
     """
     c = config or LossConfig()
     if c.ratio_cap < 1.0 + c.eps_high:
@@ -299,6 +303,10 @@ def policy_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: tor
     truncated = ratio.clamp(max=c.ratio_cap) * advantages
     clipped = ratio.clamp(1.0 - c.eps_low, 1.0 + c.eps_high) * advantages
     loss = -torch.minimum(truncated, clipped)                               # [N]
+    if off_policy is not None and bool(off_policy.any()):
+        p = logprobs.exp()
+        term = p / (p + c.guide_shaping) if c.guide_shaping > 0 else ratio
+        loss = torch.where(off_policy.to(loss.device), -c.guide_weight * term * advantages, loss)
     kl = torch.zeros_like(loss)
     if c.kl_coef > 0:
         if ref_logprobs is None:

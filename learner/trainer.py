@@ -255,7 +255,10 @@ class Trainer:
                          else torch.tensor(s.logprobs, device=dev) for s, o in zip(batch, outs)]
             advantage = token_advantages(batch).to(dev)
             logprobs = torch.cat([o.logprobs for o in outs])
-            loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref)
+            guide = torch.tensor([s.off_policy for s in batch for _ in range(s.n_tokens)],
+                                 device=dev)
+            loss, stats = policy_loss(logprobs, torch.cat(behaviour), advantage, c.loss, ref,
+                                      off_policy=guide)
             loss = loss * token_weights(batch, c.loss.negatives, scale).to(dev, loss.dtype)
             if c.loss.unlikelihood > 0:
                 loss = loss + c.loss.unlikelihood * unlikelihood(logprobs, loop_mask(batch).to(dev))

@@ -72,6 +72,9 @@ class GRPOStageConfig:
                                     # episode as one more member (`RolloutConfig.guide`; 0: off)
     guided_failures: bool = True    # a guided group's failures train too
                                     # (`LossConfig.guided_failures`; False: its guide only)
+    guide_weight: float = 1.0       # weight of a guide token's term (`LossConfig.guide_weight`)
+    guide_shaping: float = 0.0      # gamma of LUFFY's shaping of a guide token's term,
+                                    # p / (p + gamma) (`LossConfig.guide_shaping`; 0: off)
     kl_coef: float = 0.0            # weight of a k3 KL penalty to the stage's starting weights
                                     # (`LossConfig.kl_coef`; 0: off, no reference model kept)
     balance: bool = False           # a step's negative-advantage tokens weigh what its positive
@@ -310,7 +313,9 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
     return lc.RunConfig(
         model=str(start), tasks=grpo_tasks(g),
         trainer=lc.TrainerConfig(loss=lc.LossConfig(kl_coef=g.kl_coef, balance=g.balance,
-                                                        guided_failures=g.guided_failures),
+                                                        guided_failures=g.guided_failures,
+                                                        guide_weight=g.guide_weight,
+                                                        guide_shaping=g.guide_shaping),
                                  optim=lc.OptimConfig(lr=g.lr), router_replay=True,
                                  temperature=g.temperature, device=device, seed=g.seed,
                                  checkpoint_every=5, precision="auto",

@@ -77,6 +77,28 @@ def test_loss_and_gradient_match_hand_computation(ratio, adv, loss, grad):
     assert float(lp.grad) == pytest.approx(grad, abs=1e-12)
 
 
+@pytest.mark.parametrize("weight,gamma", [(1.0, 0.0), (0.25, 0.0), (1.0, 0.1), (0.5, 0.05)])
+def test_an_off_policy_tokens_term_is_weighted_and_shaped_and_never_clipped(weight, gamma):
+    """A guide's token (behaviour = the trainer's own logprob, ratio 1): its gradient in
+    log p is -w * A, or with LUFFY's shaping -w * A * gamma p / (p + gamma)^2, at every p,
+    where an on-policy token far above the clip range would get none; on-policy tokens in
+    the same call keep their clipped term."""
+    p = torch.tensor([0.9, 0.1, 0.001, 0.5], dtype=torch.float64)
+    lp = p.log().requires_grad_(True)
+    behaviour = torch.cat([lp.detach()[:3], torch.tensor([math.log(0.1)], dtype=torch.float64)])
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    off = torch.tensor([True, True, True, False])
+    out, _ = policy_loss(lp, behaviour, adv, LossConfig(guide_weight=weight, guide_shaping=gamma),
+                         off_policy=off)
+    out.sum().backward()
+    for i in range(3):
+        shaped = gamma * p[i] / (p[i] + gamma) ** 2 if gamma else 1.0
+        assert float(lp.grad[i]) == pytest.approx(-weight * float(shaped), rel=1e-9)
+    assert float(lp.grad[3]) == 0.0               # on-policy at ratio 5 > 1 + eps_high: clipped
+    plain, _ = policy_loss(lp.detach(), behaviour, adv, LossConfig())
+    assert float(out[3]) == float(plain[3])
+
+
 def test_statistics_count_clipped_and_truncated_tokens():
     behaviour = torch.zeros(5)
     lp = torch.log(torch.tensor([1.0, 1.5, 0.5, 5.0, 2.0]))
