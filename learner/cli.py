@@ -182,13 +182,41 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
     if spec == "oracle" and any(t.solution is None for t in task_list):
         raise click.BadParameter("the oracle only solves generated tasks (or task folders "
                                  "exported with --with-solution)")
-    with SessionStore() as store:
+    with SessionStore() as store, _EvalProgress(len(task_list) * samples) as progress:
         report = evaluate(task_list, factory, store, max_steps=max_steps, sandbox=sandbox,
                           constrain_calls=not free_calls, samples=samples,
                           concurrency=concurrency or (4 if spec == "oracle" else
-                                                     1 if spec.startswith("replay:") else 8))
+                                                     1 if spec.startswith("replay:") else 8),
+                          on_episode=progress.done)
     click.echo(json.dumps(report.to_dict(), indent=1) if as_json
                else format_report(report, verbose=verbose))
+
+
+class _EvalProgress:
+    """`eval`'s progress on stderr while it runs (a terminal only; gone when it ends): episodes
+    done of `total` and how many passed so far. `done` is called from the rollout threads."""
+
+    def __init__(self, total: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+            TimeElapsedColumn
+        self.passed = 0
+        console = Console(stderr=True)
+        self.bar = Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[passed]} passed"), TimeElapsedColumn(),
+                            console=console, transient=True, disable=not console.is_terminal)
+        self.task = self.bar.add_task("eval", total=total, passed=0)
+
+    def __enter__(self) -> "_EvalProgress":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+
+    def done(self, episode) -> None:
+        self.passed += episode.reward > 0
+        self.bar.update(self.task, advance=1, passed=self.passed)
 
 
 def _compare(specs: str, recipe_dir: Path | None, config: EvalConfig, verbose: bool,

@@ -135,16 +135,18 @@ def policy_factory(spec: str, max_new_tokens: int = 512, context_window: int = 0
 
 def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], store, *,
              concurrency: int = 1, max_steps: int = 20, sandbox=None,
-             constrain_calls: bool = True, samples: int = 1) -> EvalReport:
+             constrain_calls: bool = True, samples: int = 1,
+             on_episode: Callable[[Episode], None] | None = None) -> EvalReport:
     """Run `samples` episodes per task (one each by default; more only make sense with a
     sampling policy) and collect the report. `constrain_calls=False` lets the model write
-    tool calls that cannot run (`AgentConfig.constrain_calls`)."""
+    tool calls that cannot run (`AgentConfig.constrain_calls`); `on_episode` sees each
+    episode as it finishes."""
     from agent_runtime.agent import AgentConfig
     episodes = run_episodes(factory, [t for t in tasks for _ in range(samples)], store,
                             concurrency=concurrency, sandbox=sandbox,
                             agent_config=AgentConfig(max_steps=max_steps,
                                                      constrain_calls=constrain_calls),
-                            origin=ORIGIN_EVAL)
+                            origin=ORIGIN_EVAL, on_episode=on_episode)
     return EvalReport(episodes, samples)
 
 

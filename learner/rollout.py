@@ -99,16 +99,23 @@ def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = Non
 
 
 def run_episodes(policy_factory: Callable[[TaskInstance], Any], tasks: list[TaskInstance],
-                 store, *, concurrency: int = 4, **kwargs: Any) -> list[Episode]:
+                 store, *, concurrency: int = 4,
+                 on_episode: Callable[[Episode], None] | None = None,
+                 **kwargs: Any) -> list[Episode]:
     """`run_episode(policy_factory(task), task, store, **kwargs)` for every task, up to
-    `concurrency` at a time on threads; episodes come back in the order of `tasks`.
-    A factory may return one shared policy if that policy is safe to call from threads."""
+    `concurrency` at a time on threads; episodes come back in the order of `tasks`, and
+    each is passed to `on_episode` as it finishes (progress). A factory may return one
+    shared policy if that policy is safe to call from threads."""
+    def one(task: TaskInstance) -> Episode:
+        episode = run_episode(policy_factory(task), task, store, **kwargs)
+        if on_episode is not None:
+            on_episode(episode)
+        return episode
+
     if concurrency <= 1:
-        return [run_episode(policy_factory(t), t, store, **kwargs) for t in tasks]
+        return [one(t) for t in tasks]
     with ThreadPoolExecutor(concurrency, thread_name_prefix="rollout") as pool:
-        futures = [pool.submit(lambda t=t: run_episode(policy_factory(t), t, store, **kwargs))
-                   for t in tasks]
-        return [f.result() for f in futures]
+        return list(pool.map(one, tasks))
 
 
 # ---------------------------------------------------------------- the rewards table

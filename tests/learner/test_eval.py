@@ -59,6 +59,19 @@ def test_eval_of_the_oracle_on_held_out_tasks_scores_100(home):
         assert len(store.list_sessions(include_all=True)) == 4 and len(rewards(store)) == 4
 
 
+def test_in_a_terminal_eval_shows_its_progress_on_stderr_and_prints_the_same_report(home,
+                                                                                  monkeypatch):
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")       # rich: treat stderr as a terminal
+    args = ["eval", "--tasks", "sim-heldout", "-n", "3", "--policy", "oracle"]
+    out = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "3/3" in out.stderr and "3 passed" in out.stderr
+    assert SUMMARY.match(out.stdout.strip())
+    monkeypatch.setenv("TTY_COMPATIBLE", "0")       # a pipe or a log: nothing but the report
+    out = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert out.stderr == "" and SUMMARY.match(out.stdout.strip())
+
+
 def test_export_then_eval_the_folders(home, tmp_path):
     out = invoke("learn", "tasks", "export", tmp_path / "tasks", "--split", "heldout", "-n", 3,
                  "--seed", 2, "--with-solution")

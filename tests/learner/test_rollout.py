@@ -93,8 +93,10 @@ def test_the_workspace_is_fresh_removed_and_never_holds_hidden_tests(store, task
 
 
 def test_episodes_run_concurrently_in_isolated_workspaces_and_keep_their_order(store, tasks):
-    episodes = run_episodes(OraclePolicy, tasks, store, concurrency=3)
+    finished = []                       # what a progress display sees, as episodes finish
+    episodes = run_episodes(OraclePolicy, tasks, store, concurrency=3, on_episode=finished.append)
     assert [e.task_id for e in episodes] == [t.id for t in tasks]
+    assert sorted(e.session_id for e in finished) == sorted(e.session_id for e in episodes)
     assert len({e.session_id for e in episodes}) == len(tasks)
     assert all(e.reward == 1.0 for e in episodes), [e.detail for e in episodes]
     assert len(rewards(store)) == len(tasks)
