@@ -12,6 +12,7 @@ not parse tool calls (the agent loop does) and never imports the learner.
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import threading
 from collections import OrderedDict
@@ -171,6 +172,19 @@ class EnginePolicy:
         except (FileNotFoundError, KeyError, ValueError):
             template = ChatTemplate(DEFAULT_CHAT_TEMPLATE)
         return cls(model, tokenizer, template, name=spec, config=config, version=version)
+
+    @functools.cached_property
+    def end_of_turn_id(self) -> int | None:
+        """The stop token the chat template writes after an assistant message (Qwen's
+        `<|im_end|>`, not the `<|endoftext|>` that also stops decoding): what ends a turn
+        written for this policy by someone else (`learner.tasks.oracle.GuidePolicy`)."""
+        mark = "\x00turn\x00"
+        text = self._text([{"role": "user", "content": "?"}, {"role": "assistant", "content": mark}],
+                          None, add_generation_prompt=False)
+        after = text[text.index(mark) + len(mark):] if mark in text else ""
+        ends = ((self.tokenizer.decode([t]), t) for t in self.stop_token_ids)
+        found = [(after.find(e), t) for e, t in ends if e and e in after]
+        return min(found)[1] if found else (self.stop_token_ids or [None])[0]
 
     # -- prompts -------------------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

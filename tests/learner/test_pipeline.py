@@ -321,7 +321,11 @@ def test_a_group_with_no_pass_gets_the_oracles_episode_as_its_guide(ckpt, tmp_pa
         assert [e.passed for e in group.episodes] == [False, False, True]
         guide = group.samples[2]
         assert [policy.tokenizer.decode(s["completion_ids"][:-1]) for s in guide] == script(task)
-        assert all(s["completion_ids"][-1] in policy.stop_token_ids for s in guide)
+        for turn, after in zip(guide, guide[1:]):     # each turn as the next prompt shows it
+            n = len(turn["prompt_ids"])                # (the template's end of turn, which
+            ended = turn["completion_ids"]              # the policy writes: not <|endoftext|>)
+            assert after["prompt_ids"][n:n + len(ended)] == ended
+        assert guide[-1]["completion_ids"][-1] == guide[0]["completion_ids"][-1]
         reward = store.rewards(group.episodes[2].session_id)[0]
         assert reward["passed"] and reward["task_id"] == task.id
         own = store.samples(group.episodes[0].session_id)
