@@ -33,3 +33,19 @@ def test_default_model_loads_and_transformers_gives_the_same_logits(monkeypatch)
     ref = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(policy.model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_turn_of_the_default_model_ends_where_its_template_ends_an_assistant_message(
+        monkeypatch):
+    """It stops on `<|endoftext|>` or `<|im_end|>`; its template ends an assistant message with
+    `<|im_end|>`, which is what a turn written for it must end with (`end_of_turn_id`)."""
+    monkeypatch.delenv("APPRENTICE_DEFAULT_MODEL", raising=False)
+    policy = load_policy("default")
+    specials = policy.tokenizer.special_tokens
+    assert {specials["<|endoftext|>"], specials["<|im_end|>"]} <= set(policy.stop_token_ids)
+    assert policy.end_of_turn_id == specials["<|im_end|>"]
+    ids = policy.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": "and?"}])
+    ok = policy.tokenizer.encode("ok")
+    at = next(i for i in range(len(ids)) if ids[i:i + len(ok)] == ok) + len(ok)
+    assert ids[at] == policy.end_of_turn_id
