@@ -197,10 +197,12 @@ class _EvalProgress:
     done of `total` and how many passed so far. `done` is called from the rollout threads."""
 
     def __init__(self, total: int):
+        import threading
+
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
             TimeElapsedColumn
-        self.passed = 0
+        self.passed, self.lock = 0, threading.Lock()
         console = Console(stderr=True)
         self.bar = Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[passed]} passed"), TimeElapsedColumn(),
@@ -215,8 +217,9 @@ class _EvalProgress:
         self.bar.stop()
 
     def done(self, episode) -> None:
-        self.passed += episode.reward > 0
-        self.bar.update(self.task, advance=1, passed=self.passed)
+        with self.lock:
+            self.passed += episode.reward > 0
+            self.bar.update(self.task, advance=1, passed=self.passed)
 
 
 def _compare(specs: str, recipe_dir: Path | None, config: EvalConfig, verbose: bool,
