@@ -133,8 +133,8 @@ class GuidePolicy(OraclePolicy):
                          mentions=bool(getattr(policy, "mentions", False)))
         self.policy = policy
         self.tokenizer = policy.tokenizer
-        end = getattr(policy, "end_of_turn_id", None)
-        self.end = [end] if end is not None else list(getattr(policy, "stop_token_ids", ()))[:1]
+        end = policy.end_of_turn_id         # as `render` and `tokenizer`: the policy's own
+        self.end = [] if end is None else [end]
 
     def encode_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return list(self.policy.render(messages, tools))
