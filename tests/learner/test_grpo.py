@@ -96,7 +96,7 @@ def test_an_off_policy_tokens_term_is_weighted_and_shaped_and_never_clipped(weig
         assert float(lp.grad[i]) == pytest.approx(-weight * float(shaped), rel=1e-9)
     assert float(lp.grad[3]) == 0.0               # on-policy at ratio 5 > 1 + eps_high: clipped
     plain, _ = policy_loss(lp.detach(), behaviour, adv, LossConfig())
-    assert float(out[3]) == float(plain[3])
+    assert float(out.detach()[3]) == float(plain[3])
 
 
 def test_statistics_count_clipped_and_truncated_tokens():
