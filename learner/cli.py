@@ -4,6 +4,7 @@ imports happen inside the commands."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -197,8 +198,6 @@ class _EvalProgress:
     done of `total` and how many passed so far. `done` is called from the rollout threads."""
 
     def __init__(self, total: int):
-        import threading
-
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
             TimeElapsedColumn
