@@ -638,9 +638,24 @@ inline void dot_rows_i8(const float* x, const int8_t* w, int64_t K, int64_t n,
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(xv[m], wv, acc[j][m]);
     }
   };
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) step(k, __mmask16(0xFFFF));
-  if (k < K) step(k, __mmask16((1u << (K - k)) - 1));
+  if constexpr (M == 1) {   // w's rows one after another, as `dot_rows` does for one row
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* wr = w + (n + j) * K;
+      __m512 a = _mm512_setzero_ps();
+      auto one = [&](int64_t k, __mmask16 mask) {
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, wr + k)));
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k), wv, a);
+      };
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) one(k, __mmask16(0xFFFF));
+      if (k < K) one(k, __mmask16((1u << (K - k)) - 1));
+      acc[j][0] = a;
+    }
+  } else {
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) step(k, __mmask16(0xFFFF));
+    if (k < K) step(k, __mmask16((1u << (K - k)) - 1));
+  }
 #else
   float acc[NB][M][kLanes] = {};
   dot_lanes<M, NB>(x, w, K, n, acc);
