@@ -58,6 +58,15 @@ inline float widen(int8_t v) { return static_cast<float>(v); }
 template <int M, int NB, class W>
 inline void dot_lanes(const float* x, const W* w, int64_t K, int64_t n,
                       float (&acc)[NB][M][kLanes]) {
+  if constexpr (M == 1) {   // w's rows one after another: one sequential stream (`kBlock`)
+    for (int j = 0; j < NB; ++j)
+      for (int64_t k = 0; k < K; k += kLanes) {
+        const int64_t width = std::min<int64_t>(kLanes, K - k);
+        for (int64_t l = 0; l < width; ++l)
+          acc[j][0][l] = std::fma(x[k + l], widen(w[(n + j) * K + k + l]), acc[j][0][l]);
+      }
+    return;
+  }
   for (int64_t k = 0; k < K; k += kLanes) {
     const int64_t width = std::min<int64_t>(kLanes, K - k);
     for (int j = 0; j < NB; ++j)
@@ -203,6 +212,25 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  if constexpr (M == 1) {   // w's rows one after another, as the AVX512-BF16 loop does
+    for (int j = 0; j < NB; ++j) {
+      const uint16_t* wr = w + (n + j) * K;
+      __m512 a = _mm512_setzero_ps();
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes)
+        a = _mm512_fmadd_ps(
+            _mm512_loadu_ps(x + k),
+            widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k))), a);
+      if (k < K) {
+        const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k),
+                            widen_bf16(_mm256_maskz_loadu_epi16(mask, wr + k)), a);
+      }
+      acc[j][0] = a;
+    }
+    store_rows<M, NB>(acc, n, bias, y, N);
+    return;
+  }
   auto step = [&](int64_t k, auto load_x, auto load_w) {
     __m512 xv[M];
     for (int m = 0; m < M; ++m) xv[m] = load_x(x + m * K + k);
