@@ -58,22 +58,13 @@ inline float widen(int8_t v) { return static_cast<float>(v); }
 template <int M, int NB, class W>
 inline void dot_lanes(const float* x, const W* w, int64_t K, int64_t n,
                       float (&acc)[NB][M][kLanes]) {
-  if constexpr (M == 1) {   // w's rows one after another: one sequential stream (`kBlock`)
-    for (int j = 0; j < NB; ++j)
-      for (int64_t k = 0; k < K; k += kLanes) {
-        const int64_t width = std::min<int64_t>(kLanes, K - k);
-        for (int64_t l = 0; l < width; ++l)
-          acc[j][0][l] = std::fma(x[k + l], widen(w[(n + j) * K + k + l]), acc[j][0][l]);
-      }
-    return;
-  }
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const int64_t width = std::min<int64_t>(kLanes, K - k);
-    for (int j = 0; j < NB; ++j)
+  for (int j = 0; j < NB; ++j)        // w's rows one after another: one stream (`kBlock`)
+    for (int64_t k = 0; k < K; k += kLanes) {
+      const int64_t width = std::min<int64_t>(kLanes, K - k);
       for (int m = 0; m < M; ++m)
         for (int64_t l = 0; l < width; ++l)
           acc[j][m][l] = std::fma(x[m * K + k + l], widen(w[(n + j) * K + k + l]), acc[j][m][l]);
-  }
+    }
 }
 
 inline float lane_sum(const float* a) {
@@ -169,38 +160,20 @@ inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  if constexpr (M == 1) {   // one row of x: w's rows one after another (see `kBlock`)
-    for (int j = 0; j < NB; ++j) {
-      const uint16_t* wr = w + (n + j) * K;
-      __m512 a = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 2 * kLanes <= K; k += 2 * kLanes)
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + k),
-                             (__m512bh)_mm512_loadu_si512(wr + k));
-      if (k < K) {
-        const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
-        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k),
-                             (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k));
-      }
-      acc[j][0] = a;
+  for (int j = 0; j < NB; ++j) {      // w's rows one after another: one stream (`kBlock`)
+    const uint16_t* wr = w + (n + j) * K;
+    auto step = [&](int64_t k, auto load) {
+      const __m512bh wv = (__m512bh)load(wr + k);
+      for (int m = 0; m < M; ++m)
+        acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)load(x + m * K + k), wv);
+    };
+    int64_t k = 0;
+    for (; k + 2 * kLanes <= K; k += 2 * kLanes)
+      step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
+    if (k < K) {
+      const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
+      step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
     }
-    store_rows<M, NB>(acc, n, bias, y, N);
-    return;
-  }
-  auto step = [&](int64_t k, auto load) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)load(x + m * K + k);
-    for (int j = 0; j < NB; ++j) {
-      const __m512bh wv = (__m512bh)load(w + (n + j) * K + k);
-      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
-    }
-  };
-  int64_t k = 0;
-  for (; k + 2 * kLanes <= K; k += 2 * kLanes)
-    step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
-  if (k < K) {
-    const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
-    step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
   }
   store_rows<M, NB>(acc, n, bias, y, N);
 }
@@ -212,41 +185,21 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  if constexpr (M == 1) {   // w's rows one after another, as the AVX512-BF16 loop does
-    for (int j = 0; j < NB; ++j) {
-      const uint16_t* wr = w + (n + j) * K;
-      __m512 a = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes)
-        a = _mm512_fmadd_ps(
-            _mm512_loadu_ps(x + k),
-            widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k))), a);
-      if (k < K) {
-        const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
-        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k),
-                            widen_bf16(_mm256_maskz_loadu_epi16(mask, wr + k)), a);
-      }
-      acc[j][0] = a;
+  for (int j = 0; j < NB; ++j) {      // w's rows one after another, as the loop above
+    const uint16_t* wr = w + (n + j) * K;
+    auto step = [&](int64_t k, auto load_x, auto load_w) {
+      const __m512 wv = widen_bf16(load_w(wr + k));
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(load_x(x + m * K + k), wv, acc[j][m]);
+    };
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes)
+      step(k, [](const float* p) { return _mm512_loadu_ps(p); },
+           [](const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); });
+    if (k < K) {
+      const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
+      step(k, [mask](const float* p) { return _mm512_maskz_loadu_ps(mask, p); },
+           [mask](const uint16_t* p) { return _mm256_maskz_loadu_epi16(mask, p); });
     }
-    store_rows<M, NB>(acc, n, bias, y, N);
-    return;
-  }
-  auto step = [&](int64_t k, auto load_x, auto load_w) {
-    __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = load_x(x + m * K + k);
-    for (int j = 0; j < NB; ++j) {
-      const __m512 wv = widen_bf16(load_w(w + (n + j) * K + k));
-      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(xv[m], wv, acc[j][m]);
-    }
-  };
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes)
-    step(k, [](const float* p) { return _mm512_loadu_ps(p); },
-         [](const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); });
-  if (k < K) {
-    const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
-    step(k, [mask](const float* p) { return _mm512_maskz_loadu_ps(mask, p); },
-         [mask](const uint16_t* p) { return _mm256_maskz_loadu_epi16(mask, p); });
   }
   store_rows<M, NB>(acc, n, bias, y, N);
 }
@@ -415,18 +368,16 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
 }
 #endif
 
-// Weight rows a `dot_rows` step takes for M rows of x: NB x M accumulators, M rows of x and NB
-// of w in 32 zmm registers. Each x load then serves NB products; with NB = 1 for 5-8 rows
-// (the earlier table), the step issued one load of x per product and ran at ~54-76 GMAC/s
-// on a 2-core AMD EPYC; NB = 2-3 there took 1.2-1.4x less time (N = 512-1,536, K = 256-1,024,
-// min of 200 calls). The bits do not depend on NB.
-// One row of x (single-stream decode) reads w's NB = 8 rows one after another, each to its
-// end, instead of NB rows side by side along k: memory is then one sequential stream, which
-// the hardware prefetcher follows at the bandwidth a plain sum reads (the rows side by side
-// were NB streams 2K apart). On the 2-core AMD EPYC, weights from memory: 1.4-2.5x the bytes
-// a second (1,024 x 1,024: 36.4 against 20.3 GB/s; the 0.5 B shape's decode 65-69 % -> 84 %
-// of the bound); from cache 1.0-1.3x. The independent rows' chains overlap out of order. More
-// rows keep the side-by-side loop: from cache it was faster for 2-4 rows.
+// Weight rows a `dot_rows` step takes for M rows of x: NB x M accumulators in zmm registers,
+// their lanes summed eight at a time at the end. The step reads w's NB rows one after another,
+// each to its end (every row of x against each weight chunk), so memory is one sequential
+// stream, which the hardware prefetcher follows at the bandwidth a plain sum reads. Reading
+// the NB rows side by side along k (one x load serving NB products) made NB streams 2K apart:
+// on a 2-core AMD EPYC, one row of x then read weights from memory at 20 GB/s against 36-37
+// (1,024 x 1,024), and in the decode of a 0.5 B MoE (`bench/decode.py`), one against the
+// other alternated in one process, one row 65-69 % -> 83-84 % of the bandwidth bound, 2, 4
+// and 8 rows 1.56x, 1.70x and 1.43x the tokens/s; the shipped 12.7 M model's 2-8 rows
+// 1.10-1.13x. The bits do not depend on NB or on the order of rows.
 template <int M>
 constexpr int kBlock = M == 1 ? 8 : M == 2 ? 8 : M <= 4 ? 4 : M <= 6 ? 3 : 2;
 
@@ -657,29 +608,13 @@ inline void dot_rows_i8(const float* x, const int8_t* w, int64_t K, int64_t n,
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, __mmask16 mask) {
-    __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
-    for (int j = 0; j < NB; ++j) {
-      const __m512 wv = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + (n + j) * K + k)));
-      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_fmadd_ps(xv[m], wv, acc[j][m]);
-    }
-  };
-  if constexpr (M == 1) {   // w's rows one after another, as `dot_rows` does for one row
-    for (int j = 0; j < NB; ++j) {
-      const int8_t* wr = w + (n + j) * K;
-      __m512 a = _mm512_setzero_ps();
-      auto one = [&](int64_t k, __mmask16 mask) {
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, wr + k)));
-        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k), wv, a);
-      };
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes) one(k, __mmask16(0xFFFF));
-      if (k < K) one(k, __mmask16((1u << (K - k)) - 1));
-      acc[j][0] = a;
-    }
-  } else {
+  for (int j = 0; j < NB; ++j) {      // w's rows one after another, as `dot_rows` does
+    const int8_t* wr = w + (n + j) * K;
+    auto step = [&](int64_t k, __mmask16 mask) {
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, wr + k)));
+      for (int m = 0; m < M; ++m)
+        acc[j][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, acc[j][m]);
+    };
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) step(k, __mmask16(0xFFFF));
     if (k < K) step(k, __mmask16((1u << (K - k)) - 1));
