@@ -294,6 +294,39 @@ def test_rows_linear_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, widt
             assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tmp_path):
+    """Most laptops have AVX2 and FMA but not AVX512: the extension built for such a CPU
+    (`-march=haswell`, whatever this one has) runs `dot_rows`' AVX2 loop. The same checks as
+    above on that build: near x @ w.T + b in float64, a row alone bitwise itself in a batch."""
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    from torch.utils.cpp_extension import load
+    ext = load(name="apprentice_decode_avx2_test", sources=[str(fast_decode.SOURCE)],
+               build_directory=str(tmp_path), extra_cflags=["-O3", "-march=haswell", "-fopenmp"],
+               extra_ldflags=["-fopenmp"], verbose=False)
+    for width in (40, 256, 1000):
+        g = torch.Generator().manual_seed(width)
+        w = torch.randn(37, width, generator=g).bfloat16()
+        b = torch.randn(37, generator=g).bfloat16()
+        x = torch.randn(8, width, generator=g).bfloat16()
+        alone = [ext.rows_linear(x[i:i + 1], w, b) for i in range(8)]
+        for rows in range(1, 9):
+            out = ext.rows_linear(x[:rows], w, b)
+            ref = x[:rows].double() @ w.double().T + b.double()
+            assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all(), (width, rows)
+            for i in range(rows):
+                assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [7, 100, 8192])
 def test_sample_rows_draws_what_the_tensor_path_draws(built, dtype, vocab):

@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -201,6 +201,43 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
            [mask](const uint16_t* p) { return _mm256_maskz_loadu_epi16(mask, p); });
     }
   }
+  store_rows<M, NB>(acc, n, bias, y, N);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using XRow = float;     // x converted to fp32 once
+// AVX2 + FMA (most laptops without AVX512): `dot_lanes`' 16 lanes as two ymm registers (lanes
+// 0-7 and 8-15), each weight widened exactly (bf16 bits << 16), one fused multiply-add a lane
+// and k, so the sums are bitwise the portable loop's.
+template <int M, int NB, class Out>
+inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
+                     Out* y, int64_t N) {
+  __m256 lo[NB][M], hi[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) lo[j][m] = hi[j][m] = _mm256_setzero_ps();
+  auto widen8 = [](const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  };
+  int64_t full = K / kLanes * kLanes;
+  for (int j = 0; j < NB; ++j) {      // w's rows one after another, as the loops above
+    const uint16_t* wr = w + (n + j) * K;
+    for (int64_t k = 0; k < full; k += kLanes) {
+      const __m256 w0 = widen8(wr + k), w1 = widen8(wr + k + 8);
+      for (int m = 0; m < M; ++m) {
+        lo[j][m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[j][m]);
+        hi[j][m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[j][m]);
+      }
+    }
+  }
+  float acc[NB][M][kLanes];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) {
+      _mm256_storeu_ps(acc[j][m], lo[j][m]);
+      _mm256_storeu_ps(acc[j][m] + 8, hi[j][m]);
+      for (int64_t k = full; k < K; ++k)   // the tail: lane k - full, as `dot_lanes` adds it
+        acc[j][m][k - full] = std::fma(x[m * K + k], widen(w[(n + j) * K + k]),
+                                       acc[j][m][k - full]);
+    }
   store_rows<M, NB>(acc, n, bias, y, N);
 }
 #else
