@@ -305,8 +305,9 @@ def _cpu_flags() -> set[str]:
 
 def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tmp_path):
     """Most laptops have AVX2 and FMA but not AVX512: the extension built for such a CPU
-    (`-march=haswell`, whatever this one has) runs `dot_rows`' AVX2 loop. The same checks as
-    above on that build: near x @ w.T + b in float64, a row alone bitwise itself in a batch."""
+    (`-march=haswell`, whatever this one has) runs the AVX2 loop of `dot_lanes`. The same
+    checks as above on that build, for bf16 weights and int8 copies: near x @ w.T + b in
+    float64, a row alone bitwise itself in a batch."""
     if not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU cannot run an AVX2 build")
     from torch.utils.cpp_extension import load
@@ -318,13 +319,18 @@ def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tm
         w = torch.randn(37, width, generator=g).bfloat16()
         b = torch.randn(37, generator=g).bfloat16()
         x = torch.randn(8, width, generator=g).bfloat16()
-        alone = [ext.rows_linear(x[i:i + 1], w, b) for i in range(8)]
-        for rows in range(1, 9):
-            out = ext.rows_linear(x[:rows], w, b)
-            ref = x[:rows].double() @ w.double().T + b.double()
-            assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all(), (width, rows)
-            for i in range(rows):
-                assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
+        q = torch.randint(-127, 128, (37, width), dtype=torch.int8, generator=g)
+        scale = torch.rand(37, generator=g) / 64
+        for product, weight in ((lambda xs: ext.rows_linear(xs, w, b), w.double()),
+                                (lambda xs: ext.int8_rows(xs, q, scale, b),
+                                 q.double() * scale.double()[:, None])):
+            alone = [product(x[i:i + 1]) for i in range(8)]
+            for rows in range(1, 9):
+                out = product(x[:rows])
+                ref = x[:rows].double() @ weight.T + b.double()
+                assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all(), (width, rows)
+                for i in range(rows):
+                    assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -53,11 +53,46 @@ inline float bf16_to_float(uint16_t v) {
 inline float widen(uint16_t v) { return bf16_to_float(v); }   // a weight as fp32, exactly
 inline float widen(int8_t v) { return static_cast<float>(v); }
 
-// The fp32 lanes of NB x M dot products without vector instructions: lane l of acc[j][m]
+// The fp32 lanes of NB x M dot products (AVX2, or no vector instructions): lane l of acc[j][m]
 // sums x[m][k] * w[n + j][k] over the k = l (mod 16), in increasing k
 template <int M, int NB, class W>
 inline void dot_lanes(const float* x, const W* w, int64_t K, int64_t n,
                       float (&acc)[NB][M][kLanes]) {
+#if defined(__AVX2__) && defined(__FMA__)
+  // AVX2 + FMA (most laptops without AVX512): the 16 lanes as two ymm registers (lanes 0-7 and
+  // 8-15), each weight widened exactly (bf16 bits << 16, or int8 to int32 to fp32), one fused
+  // multiply-add a lane and k: bitwise the portable loop (#else), the partial last block too.
+  auto widen8 = [](const W* p) {
+    if constexpr (std::is_same<W, uint16_t>::value)
+      return _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    else
+      return _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  const int64_t full = K / kLanes * kLanes;
+  for (int j = 0; j < NB; ++j) {      // w's rows one after another: one stream (`kBlock`)
+    const W* wr = w + (n + j) * K;
+    __m256 lo[M], hi[M];
+    for (int m = 0; m < M; ++m) {
+      lo[m] = _mm256_loadu_ps(acc[j][m]);
+      hi[m] = _mm256_loadu_ps(acc[j][m] + 8);
+    }
+    for (int64_t k = 0; k < full; k += kLanes) {
+      const __m256 w0 = widen8(wr + k), w1 = widen8(wr + k + 8);
+      for (int m = 0; m < M; ++m) {
+        lo[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[m]);
+        hi[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      _mm256_storeu_ps(acc[j][m], lo[m]);
+      _mm256_storeu_ps(acc[j][m] + 8, hi[m]);
+      for (int64_t k = full; k < K; ++k)
+        acc[j][m][k - full] = std::fma(x[m * K + k], widen(wr[k]), acc[j][m][k - full]);
+    }
+  }
+#else
   for (int j = 0; j < NB; ++j)        // w's rows one after another: one stream (`kBlock`)
     for (int64_t k = 0; k < K; k += kLanes) {
       const int64_t width = std::min<int64_t>(kLanes, K - k);
@@ -65,6 +100,7 @@ inline void dot_lanes(const float* x, const W* w, int64_t K, int64_t n,
         for (int64_t l = 0; l < width; ++l)
           acc[j][m][l] = std::fma(x[m * K + k + l], widen(w[(n + j) * K + k + l]), acc[j][m][l]);
     }
+#endif
 }
 
 inline float lane_sum(const float* a) {
@@ -201,43 +237,6 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
            [mask](const uint16_t* p) { return _mm256_maskz_loadu_epi16(mask, p); });
     }
   }
-  store_rows<M, NB>(acc, n, bias, y, N);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-using XRow = float;     // x converted to fp32 once
-// AVX2 + FMA (most laptops without AVX512): `dot_lanes`' 16 lanes as two ymm registers (lanes
-// 0-7 and 8-15), each weight widened exactly (bf16 bits << 16), one fused multiply-add a lane
-// and k, so the sums are bitwise the portable loop's.
-template <int M, int NB, class Out>
-inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
-                     Out* y, int64_t N) {
-  __m256 lo[NB][M], hi[NB][M];
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) lo[j][m] = hi[j][m] = _mm256_setzero_ps();
-  auto widen8 = [](const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-  };
-  int64_t full = K / kLanes * kLanes;
-  for (int j = 0; j < NB; ++j) {      // w's rows one after another, as the loops above
-    const uint16_t* wr = w + (n + j) * K;
-    for (int64_t k = 0; k < full; k += kLanes) {
-      const __m256 w0 = widen8(wr + k), w1 = widen8(wr + k + 8);
-      for (int m = 0; m < M; ++m) {
-        lo[j][m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[j][m]);
-        hi[j][m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[j][m]);
-      }
-    }
-  }
-  float acc[NB][M][kLanes];
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) {
-      _mm256_storeu_ps(acc[j][m], lo[j][m]);
-      _mm256_storeu_ps(acc[j][m] + 8, hi[j][m]);
-      for (int64_t k = full; k < K; ++k)   // the tail: lane k - full, as `dot_lanes` adds it
-        acc[j][m][k - full] = std::fma(x[m * K + k], widen(w[(n + j) * K + k]),
-                                       acc[j][m][k - full]);
-    }
   store_rows<M, NB>(acc, n, bias, y, N);
 }
 #else
