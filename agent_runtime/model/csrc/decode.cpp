@@ -190,12 +190,34 @@ inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, 
 using XRow = uint16_t;  // x as stored (bf16)
 // AVX512-BF16: one instruction multiplies 16 pairs of bf16 and adds them to 16 fp32 lanes (lane
 // l takes k = 32c + 2l and 32c + 2l + 1), reading x and w as stored, without conversion.
-template <int M, int NB, class Out>
+// `Stream`: w's NB rows one after another (`kBlock`); false: side by side along k, each x load
+// serving NB products, for keys that sit in cache (attention's scores), where that was faster
+// for several rows of x. The same bits either way.
+template <int M, int NB, bool Stream = true, class Out>
 inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
                      const float* bias, Out* y, int64_t N) {
   __m512 acc[NB][M];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  if constexpr (!Stream && M > 1) {
+    auto step = [&](int64_t k, auto load) {
+      __m512bh xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = (__m512bh)load(x + m * K + k);
+      for (int j = 0; j < NB; ++j) {
+        const __m512bh wv = (__m512bh)load(w + (n + j) * K + k);
+        for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
+      }
+    };
+    int64_t k = 0;
+    for (; k + 2 * kLanes <= K; k += 2 * kLanes)
+      step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
+    if (k < K) {
+      const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
+      step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
+    }
+    store_rows<M, NB>(acc, n, bias, y, N);
+    return;
+  }
   for (int j = 0; j < NB; ++j) {      // w's rows one after another: one stream (`kBlock`)
     const uint16_t* wr = w + (n + j) * K;
     auto step = [&](int64_t k, auto load) {
@@ -215,7 +237,7 @@ inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
 }
 #elif defined(__AVX512F__)
 using XRow = float;     // x converted to fp32 once
-template <int M, int NB, class Out>
+template <int M, int NB, bool Stream = true, class Out>   // Stream: w's rows one after another
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      Out* y, int64_t N) {
   __m512 acc[NB][M];
@@ -229,8 +251,9 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
     };
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes)
-      step(k, [](const float* p) { return _mm512_loadu_ps(p); },
-           [](const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); });
+      step(k, [](const float* p) { return _mm512_loadu_ps(p); }, [](const uint16_t* p) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      });
     if (k < K) {
       const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
       step(k, [mask](const float* p) { return _mm512_maskz_loadu_ps(mask, p); },
@@ -241,7 +264,7 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 }
 #else
 using XRow = float;
-template <int M, int NB, class Out>
+template <int M, int NB, bool Stream = true, class Out>   // Stream: w's rows one after another
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      Out* y, int64_t N) {
   float acc[NB][M][kLanes] = {};
@@ -561,7 +584,8 @@ at::Tensor as_xrows(const at::Tensor& x) {
 }
 
 // Outputs begin..end of y [M, N] = x [M, K] @ w [N, K]^T (+ b), on the calling thread.
-template <int M, class Out>
+// `Stream` as `dot_rows`': false for keys in cache (attention's scores).
+template <int M, bool Stream = true, class Out>
 void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const float* bias,
                 Out* y, int64_t begin, int64_t end) {
 #if defined(APPRENTICE_AMX)
@@ -569,14 +593,16 @@ void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const fl
 #endif
   constexpr int NB = kBlock<M>;
   int64_t n = begin;
-  for (; n + NB <= end; n += NB) dot_rows<M, NB>(x, w, K, n, bias, y, N);
-  for (; n < end; ++n) dot_rows<M, 1>(x, w, K, n, bias, y, N);
+  for (; n + NB <= end; n += NB) dot_rows<M, NB, Stream>(x, w, K, n, bias, y, N);
+  for (; n < end; ++n) dot_rows<M, 1, Stream>(x, w, K, n, bias, y, N);
 }
 
-template <class Out>
+template <bool Stream = true, class Out>
 void rows_range_any(int64_t M, const XRow* x, const uint16_t* w, int64_t N, int64_t K,
                     const float* bias, Out* y, int64_t begin, int64_t end) {
-  with_rows(M, [&](auto m) { rows_range<decltype(m)::value>(x, w, N, K, bias, y, begin, end); });
+  with_rows(M, [&](auto m) {
+    rows_range<decltype(m)::value, Stream>(x, w, N, K, bias, y, begin, end);
+  });
 }
 
 // Multiply-adds a thread takes on at least: less stays on the calling thread, where waking
@@ -647,7 +673,8 @@ inline void dot_rows_i8(const float* x, const int8_t* w, int64_t K, int64_t n,
   for (int j = 0; j < NB; ++j) {      // w's rows one after another, as `dot_rows` does
     const int8_t* wr = w + (n + j) * K;
     auto step = [&](int64_t k, __mmask16 mask) {
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, wr + k)));
+      const __m512 wv =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, wr + k)));
       for (int m = 0; m < M; ++m)
         acc[j][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, acc[j][m]);
     };
@@ -933,7 +960,7 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
         seen = std::max(seen, last[r]);
       }
       const XRow* qr = qp + (bh * R + r0) * D;
-      rows_range_any(n, qr, kp + b * kb + h * kh, seen, D, nullptr, scores.data(), 0, seen);
+      rows_range_any<false>(n, qr, kp + b * kb + h * kh, seen, D, nullptr, scores.data(), 0, seen);
       for (int64_t r = 0; r < n; ++r) {                 // scores [n, seen]
         float* s = scores.data() + r * seen;
         const bool* m = mp ? mp + (b * T + (r0 + r) % T) * S : nullptr;
@@ -1064,14 +1091,15 @@ at::Tensor shared_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
       // scores [n, seen]: the shared columns for all n rows at once (row 0's keys), placed in
       // each row's own columns, then each row's own columns after them
-      rows_range_any(n, qr.data(), kp + h * kh + f[0] * D, P, D, nullptr, common.data(), 0, P);
+      rows_range_any<false>(n, qr.data(), kp + h * kh + f[0] * D, P, D, nullptr, common.data(),
+                            0, P);
       for (int64_t r = 0; r < n; ++r)
         std::memcpy(scores.data() + r * seen + f[row[r]], common.data() + r * P, P * sizeof(float));
       for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {   // runs of query rows of one row b
         const int64_t b = row[r0];
         for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
-        rows_range_any(r1 - r0, qr.data() + r0 * D, kp + b * kb + h * kh, seen, D, nullptr,
-                       scores.data() + r0 * seen, f[b] + P, last[r0]);
+        rows_range_any<false>(r1 - r0, qr.data() + r0 * D, kp + b * kb + h * kh, seen, D,
+                              nullptr, scores.data() + r0 * seen, f[b] + P, last[r0]);
       }
       for (int64_t r = 0; r < n; ++r) {
         float* s = scores.data() + r * seen;
