@@ -188,6 +188,19 @@ inline void store_rows(const Lanes (&acc)[NB][M], int64_t n, const float* bias, 
 // Rows n..n+NB of w against the M rows of x (NB rows at a time for independent accumulators).
 #if defined(__AVX512BF16__)
 using XRow = uint16_t;  // x as stored (bf16)
+// step(k, load) over k = 0, 32, 64, ... < K: whole blocks of 32 bf16 with plain loads, then
+// the partial last block with a masked one (zeros past K)
+template <class Step>
+inline void bf16_blocks(int64_t K, Step step) {
+  int64_t k = 0;
+  for (; k + 2 * kLanes <= K; k += 2 * kLanes)
+    step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
+  if (k < K) {
+    const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
+    step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
+  }
+}
+
 // AVX512-BF16: one instruction multiplies 16 pairs of bf16 and adds them to 16 fp32 lanes (lane
 // l takes k = 32c + 2l and 32c + 2l + 1), reading x and w as stored, without conversion.
 // `Stream`: w's NB rows one after another (`kBlock`); false: side by side along k, each x load
@@ -200,37 +213,22 @@ inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
   if constexpr (!Stream && M > 1) {
-    auto step = [&](int64_t k, auto load) {
+    bf16_blocks(K, [&](int64_t k, auto load) {
       __m512bh xv[M];
       for (int m = 0; m < M; ++m) xv[m] = (__m512bh)load(x + m * K + k);
       for (int j = 0; j < NB; ++j) {
         const __m512bh wv = (__m512bh)load(w + (n + j) * K + k);
         for (int m = 0; m < M; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], xv[m], wv);
       }
-    };
-    int64_t k = 0;
-    for (; k + 2 * kLanes <= K; k += 2 * kLanes)
-      step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
-    if (k < K) {
-      const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
-      step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
-    }
-    store_rows<M, NB>(acc, n, bias, y, N);
-    return;
-  }
-  for (int j = 0; j < NB; ++j) {      // w's rows one after another: one stream (`kBlock`)
-    const uint16_t* wr = w + (n + j) * K;
-    auto step = [&](int64_t k, auto load) {
-      const __m512bh wv = (__m512bh)load(wr + k);
-      for (int m = 0; m < M; ++m)
-        acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)load(x + m * K + k), wv);
-    };
-    int64_t k = 0;
-    for (; k + 2 * kLanes <= K; k += 2 * kLanes)
-      step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
-    if (k < K) {
-      const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;
-      step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
+    });
+  } else {
+    for (int j = 0; j < NB; ++j) {    // w's rows one after another: one stream (`kBlock`)
+      const uint16_t* wr = w + (n + j) * K;
+      bf16_blocks(K, [&](int64_t k, auto load) {
+        const __m512bh wv = (__m512bh)load(wr + k);
+        for (int m = 0; m < M; ++m)
+          acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)load(x + m * K + k), wv);
+      });
     }
   }
   store_rows<M, NB>(acc, n, bias, y, N);
