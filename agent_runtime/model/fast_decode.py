@@ -78,13 +78,19 @@ def extension_name() -> str:
     return f"apprentice_decode_{torch.backends.cpu.get_cpu_capability().lower()}{amx}_omp"
 
 
-def has_amx() -> bool:
-    """Whether this CPU has AMX-BF16 tiles (Linux reports them in /proc/cpuinfo)."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them in /proc/cpuinfo (empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
     except OSError:
-        return False
+        return set()
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX-BF16 tiles."""
+    return "amx_bf16" in cpu_flags()
 
 
 def build_directory(name: str) -> Path:

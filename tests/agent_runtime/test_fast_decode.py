@@ -285,22 +285,19 @@ def test_rows_linear_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, widt
     w = torch.randn(37, width, generator=g).bfloat16()
     b = torch.randn(37, generator=g).bfloat16()
     x = torch.randn(8, width, generator=g).bfloat16()
-    alone = [ext.rows_linear(x[i:i + 1], w, b) for i in range(8)]
+    _check_rows(lambda xs: ext.rows_linear(xs, w, b), w.double(), x, b)
+
+
+def _check_rows(product, weight, x, b):
+    """`product` of 1-8 rows of x against x @ weight.T + b in float64: at most one bf16 step
+    apart; each row alone bitwise that row in every batch."""
+    alone = [product(x[i:i + 1]) for i in range(8)]
     for rows in range(1, 9):
-        out = ext.rows_linear(x[:rows], w, b)
-        ref = x[:rows].double() @ w.double().T + b.double()
+        out = product(x[:rows])
+        ref = x[:rows].double() @ weight.T + b.double()
         assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all(), rows
         for i in range(rows):
             assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
 
 
 def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tmp_path):
@@ -308,7 +305,7 @@ def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tm
     (`-march=haswell`, whatever this one has) runs the AVX2 loop of `dot_lanes`. The same
     checks as above on that build, for bf16 weights and int8 copies: near x @ w.T + b in
     float64, a row alone bitwise itself in a batch."""
-    if not {"avx2", "fma"} <= _cpu_flags():
+    if not {"avx2", "fma"} <= fast_decode.cpu_flags():
         pytest.skip("this CPU cannot run an AVX2 build")
     from torch.utils.cpp_extension import load
     ext = load(name="apprentice_decode_avx2_test", sources=[str(fast_decode.SOURCE)],
@@ -321,16 +318,9 @@ def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tm
         x = torch.randn(8, width, generator=g).bfloat16()
         q = torch.randint(-127, 128, (37, width), dtype=torch.int8, generator=g)
         scale = torch.rand(37, generator=g) / 64
-        for product, weight in ((lambda xs: ext.rows_linear(xs, w, b), w.double()),
-                                (lambda xs: ext.int8_rows(xs, q, scale, b),
-                                 q.double() * scale.double()[:, None])):
-            alone = [product(x[i:i + 1]) for i in range(8)]
-            for rows in range(1, 9):
-                out = product(x[:rows])
-                ref = x[:rows].double() @ weight.T + b.double()
-                assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-4).all(), (width, rows)
-                for i in range(rows):
-                    assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
+        _check_rows(lambda xs: ext.rows_linear(xs, w, b), w.double(), x, b)
+        _check_rows(lambda xs: ext.int8_rows(xs, q, scale, b),
+                    q.double() * scale.double()[:, None], x, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

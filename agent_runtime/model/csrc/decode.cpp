@@ -235,7 +235,7 @@ inline void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n,
 }
 #elif defined(__AVX512F__)
 using XRow = float;     // x converted to fp32 once
-template <int M, int NB, bool Stream = true, class Out>   // Stream: w's rows one after another
+template <int M, int NB, bool Stream = true, class Out>   // Stream unused: always a stream
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      Out* y, int64_t N) {
   __m512 acc[NB][M];
@@ -262,7 +262,7 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 }
 #else
 using XRow = float;
-template <int M, int NB, bool Stream = true, class Out>   // Stream: w's rows one after another
+template <int M, int NB, bool Stream = true, class Out>   // Stream unused: always a stream
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      Out* y, int64_t N) {
   float acc[NB][M][kLanes] = {};
