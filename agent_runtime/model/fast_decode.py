@@ -36,6 +36,7 @@ from agent_runtime.model.model import UPCAST_CPU, KVCache, ModelOutput, MoEModel
 
 log = logging.getLogger(__name__)
 ENV = "APPRENTICE_FAST_DECODE"
+DIRECT = "APPRENTICE_DECODE_DIRECT"   # "0": the step's tensor operations, not its pointer path
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
 
 _lock = threading.Lock()
@@ -186,6 +187,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
     model._rope(torch.zeros(1, 1, dtype=torch.long), model.dtype)      # build the tables
     cos, sin = model._rope_table
     upcast = UPCAST_CPU
+    direct = os.environ.get(DIRECT, "1") != "0"
 
     def step(tokens: torch.Tensor, cache: KVCache) -> ModelOutput:
         past = cache.pos
@@ -199,7 +201,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
             tokens, past, cache.valid, cos, sin, model.embed_tokens.weight, model.norm.weight,
             model.lm_head.weight, layers, biases, qkv, cache.k, cache.v, a.num_heads,
             a.num_kv_heads, a.head_dim, a.top_k, a.norm_topk_prob, upcast, a.rms_eps, a.scale,
-            cache.shared, cache.shared_from, quant)
+            cache.shared, cache.shared_from, quant, direct)
         cache.pos = past + 1
         return ModelOutput(logits=logits, routes=routes)
     return step

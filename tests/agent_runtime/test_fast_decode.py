@@ -31,8 +31,9 @@ def _prompts(*lens):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
 
 
-def _both(monkeypatch, model, prompts, params, cache_mb=0, **kw):
+def _both(monkeypatch, model, prompts, params, cache_mb=0, direct="1", **kw):
     out = {}
+    monkeypatch.setenv(fast_decode.DIRECT, direct)
     for mode in ("0", "1"):
         monkeypatch.setenv(fast_decode.ENV, mode)
         cache = PrefixCache(max_bytes=cache_mb * 2**20) if cache_mb else None
@@ -43,13 +44,9 @@ def _both(monkeypatch, model, prompts, params, cache_mb=0, **kw):
     return out["0"], out["1"]
 
 
-@pytest.mark.parametrize("family", COVERED + ("qwen3_moe+bias",))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_cpp_step_is_bitwise_the_python_step(built, monkeypatch, tmp_path, family, dtype):
-    over = {"attention_bias": True} if family.endswith("+bias") else {}   # q, k, v, o biases
-    model = load_model(save_hf_checkpoint(family.split("+")[0], tmp_path / "m", **over),
-                       dtype=dtype)
-    assert model.layers[0].self_attn.q_proj.bias is not None or not over
+def _check_steps(monkeypatch, model, direct="1"):
+    """The C++ step against the Python step on one row, left padding, 6 sampled rows of one
+    prompt (read once: `shared_attention`) and the prefix cache."""
     assert fast_decode.stepper(model) is not None
     for prompts, params, cache_mb in [
             (_prompts(13), SamplingParams(max_new_tokens=20), 0),
@@ -57,10 +54,51 @@ def test_the_cpp_step_is_bitwise_the_python_step(built, monkeypatch, tmp_path, f
             (_prompts(9, 9, 9, 9, 9, 9), SamplingParams(max_new_tokens=12, temperature=1.0,
                                                          seed=3), 0),          # 6 rows sampled
             (_prompts(21, 8), SamplingParams(max_new_tokens=10), 8)]:          # prefix cache
-        python, cpp = _both(monkeypatch, model, prompts, params, cache_mb)
+        python, cpp = _both(monkeypatch, model, prompts, params, cache_mb, direct)
         for a, b in zip(python, cpp):
             assert a.tokens == b.tokens and a.logprobs == b.logprobs
             assert torch.equal(a.routes, b.routes) and a.finish_reason == b.finish_reason
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+@pytest.mark.parametrize("family", COVERED + ("qwen3_moe+bias",))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpp_step_is_bitwise_the_python_step(built, monkeypatch, tmp_path, family, dtype,
+                                                 direct):
+    """Both ways the C++ step runs: on pointers (`decode_direct`, bf16 without biases; the
+    others fall back) and through tensor operations (APPRENTICE_DECODE_DIRECT=0)."""
+    over = {"attention_bias": True} if family.endswith("+bias") else {}   # q, k, v, o biases
+    model = load_model(save_hf_checkpoint(family.split("+")[0], tmp_path / "m", **over),
+                       dtype=dtype)
+    assert model.layers[0].self_attn.q_proj.bias is not None or not over
+    _check_steps(monkeypatch, model, direct)
+
+
+def _kernels_called(model, tokens=(3, 5)):
+    """The extension's tensor-level kernels one C++ step called (their profiler records)."""
+    from torch.profiler import ProfilerActivity, profile
+    cache = model.new_cache(len(tokens), 8)
+    model(torch.tensor([[1, 2]] * len(tokens)), cache=cache)
+    step = fast_decode.stepper(model)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(torch.tensor(tokens), cache)
+    return {e.name for e in prof.events() if e.name.startswith("apprentice::")}
+
+
+def test_the_direct_step_calls_no_tensor_kernel_and_declines_what_it_does_not_cover(
+        built, monkeypatch, tmp_path):
+    """`decode_direct` serves a bf16 model without biases by itself (none of the extension's
+    tensor-level kernels runs; the bitwise tests above would pass as well if it declined), and
+    leaves a model with biases, an fp32 one and APPRENTICE_DECODE_DIRECT=0 to the tensor path."""
+    plain = save_hf_checkpoint("qwen3_moe", tmp_path / "m")
+    biased = save_hf_checkpoint("qwen3_moe", tmp_path / "b", attention_bias=True)
+    monkeypatch.setenv(fast_decode.DIRECT, "1")
+    assert _kernels_called(load_model(plain, dtype="bfloat16")) == set()
+    tensor_path = {"apprentice::rows_linear", "apprentice::rms_norm_rows", "apprentice::moe_rows"}
+    assert tensor_path <= _kernels_called(load_model(biased, dtype="bfloat16"))
+    assert "apprentice::rows_linear" not in _kernels_called(load_model(plain, dtype="float32"))
+    monkeypatch.setenv(fast_decode.DIRECT, "0")
+    assert tensor_path <= _kernels_called(load_model(plain, dtype="bfloat16"))
 
 
 def test_a_group_that_shares_its_prompt_reads_it_once_with_the_python_steps_bits(
@@ -300,11 +338,13 @@ def _check_rows(product, weight, x, b):
             assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
 
 
-def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tmp_path):
+def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, monkeypatch,
+                                                                       tmp_path):
     """Most laptops have AVX2 and FMA but not AVX512: the extension built for such a CPU
     (`-march=haswell`, whatever this one has) runs the AVX2 loop of `dot_lanes`. The same
     checks as above on that build, for bf16 weights and int8 copies: near x @ w.T + b in
-    float64, a row alone bitwise itself in a batch."""
+    float64, a row alone bitwise itself in a batch; then its decode steps against its Python
+    step."""
     if not {"avx2", "fma"} <= fast_decode.cpu_flags():
         pytest.skip("this CPU cannot run an AVX2 build")
     from torch.utils.cpp_extension import load
@@ -321,6 +361,13 @@ def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, tm
         _check_rows(lambda xs: ext.rows_linear(xs, w, b), w.double(), x, b)
         _check_rows(lambda xs: ext.int8_rows(xs, q, scale, b),
                     q.double() * scale.double()[:, None], x, b)
+    # the whole step on that build (x rows widened to fp32, the loops without AVX512): the
+    # direct step and the tensor one against the Python step, which calls the same build
+    monkeypatch.setattr(fast_decode, "_ext", ext)
+    for family in COVERED:
+        model = load_model(save_hf_checkpoint(family, tmp_path / family), dtype="bfloat16")
+        for direct in ("1", "0"):
+            _check_steps(monkeypatch, model, direct)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -121,6 +121,19 @@ inline float lane_sum(__m512 a) {  // the same tree in registers
 inline __m512 widen_bf16(__m256i h) {  // 16 bf16 to fp32, exactly
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+// 16 fp32 to bf16 as `at::BFloat16(float)` rounds them: to nearest even, NaN to 0x7FC0
+inline __m256i bf16_round(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(
+      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16),
+                                          _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                          _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 bf16_rounded(__m512 v) { return widen_bf16(bf16_round(v)); }   // fp32 again
 #endif
 
 #if defined(__AVX512F__)
@@ -640,17 +653,26 @@ void grouped_jobs(int64_t groups, int64_t rows, int64_t N, int64_t K, int64_t st
 // outputs y[rows] = xs[rows] @ ws[g]^T: the groups' output columns cut into pieces of about
 // 64k weights and all pieces spread over the threads in one parallel region, so a few rows
 // through several small matrices keep both cores busy and each matrix is read once.
-void grouped_rows(const at::Tensor& xs, const std::vector<const uint16_t*>& ws,
+void grouped_rows(const XRow* xp, const std::vector<const uint16_t*>& ws,
                   const std::vector<int64_t>& start, const std::vector<int64_t>& count,
-                  int64_t N, int64_t K, at::Tensor& y) {
-  auto xr = as_xrows(xs);
-  const auto* xp = static_cast<const XRow*>(xr.data_ptr());
-  auto* yp = y.data_ptr<at::BFloat16>();
-  grouped_jobs(static_cast<int64_t>(ws.size()), xs.size(0), N, K, use_amx(K) ? 32 : 4,
+                  int64_t rows, int64_t N, int64_t K, at::BFloat16* yp) {
+  grouped_jobs(static_cast<int64_t>(ws.size()), rows, N, K, use_amx(K) ? 32 : 4,
                [&](int64_t g, int64_t lo, int64_t hi) {
     rows_range_any(count[g], xp + start[g] * K, ws[g], N, K, nullptr, yp + start[g] * N, lo,
                    hi);
   });
+}
+
+// n bf16 values as x rows for the dot products: themselves (AVX512-BF16), else widened to
+// fp32 into buf
+inline const XRow* xrow_ptr(const uint16_t* x, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same<XRow, uint16_t>::value) {
+    return reinterpret_cast<const XRow*>(x);
+  } else {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(x[i]);
+    return reinterpret_cast<const XRow*>(buf.data());
+  }
 }
 
 // ---- int8 weight copies (`quantize`): y [M, N] = x [M, K] @ (q [N, K] * scale [N])^T (+ b) ---
@@ -698,13 +720,11 @@ void int8_span(const float* x, const int8_t* w, int64_t N, int64_t K, const floa
 }
 
 // `grouped_rows` for int8 weights (ws[g], its scales ss[g]): x's rows fp32, y bf16
-void grouped_rows_i8(const at::Tensor& xs, const std::vector<const int8_t*>& ws,
+void grouped_rows_i8(const float* xp, const std::vector<const int8_t*>& ws,
                      const std::vector<const float*>& ss, const std::vector<int64_t>& start,
-                     const std::vector<int64_t>& count, int64_t N, int64_t K, at::Tensor& y) {
-  auto xf = xs.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  grouped_jobs(static_cast<int64_t>(ws.size()), xs.size(0), N, K, 4,
+                     const std::vector<int64_t>& count, int64_t rows, int64_t N, int64_t K,
+                     at::BFloat16* yp) {
+  grouped_jobs(static_cast<int64_t>(ws.size()), rows, N, K, 4,
                [&](int64_t g, int64_t lo, int64_t hi) {
     with_rows(count[g], [&](auto m) {
       int8_span<decltype(m)::value>(xp + start[g] * K, ws[g], N, K, ss[g], nullptr,
@@ -723,15 +743,16 @@ void grouped_rows_i8(const at::Tensor& xs, const std::vector<const int8_t*>& ws,
 // with its gate weight rounded to bf16, and the sum in the same order and rounding (one row:
 // in top-k order, rounded after each addition; several rows: in fp32 from +0 in ascending
 // expert order, rounded once, as `index_add_` adds them).
-// The body of `moe_rows` (and of `moe_rows_i8`): `products(xs, experts, start, count, which,
-// y)` computes the grouped products of gate_up (which = 0) or down (1) into y.
+namespace {
+// The body of `moe_rows` (and of `moe_rows_i8`) on pointers: x [M, H] bf16, id [M, k] the
+// experts, wp [M, k] their weights, out [M, H]. `products(xs, S, experts, start, count, which,
+// y)` computes the grouped products of the S rows xs (bf16) with gate_up (which = 0, y [S, 2I])
+// or down (1, y [S, H]).
 template <class Products>
-at::Tensor moe_rows_with(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
-                         int64_t E, int64_t I, Products products) {
-  const int64_t M = x.size(0), H = x.size(1), k = idx.size(1);
+void moe_raw(const uint16_t* x, int64_t M, int64_t H, const int64_t* id, int64_t k,
+             const at::BFloat16* wp, int64_t E, int64_t I, at::BFloat16* op,
+             Products products) {
   TORCH_CHECK(M >= 1 && M <= kRows, "moe_rows: at most 8 rows");
-  auto ids = idx.to(at::kLong).contiguous();
-  const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t S = M * k;
   std::vector<int64_t> order;                       // slots by expert, stable (argsort)
   std::vector<int64_t> start, count, experts;
@@ -747,20 +768,24 @@ at::Tensor moe_rows_with(const at::Tensor& x, const at::Tensor& idx, const at::T
     }
   }
   TORCH_CHECK(static_cast<int64_t>(order.size()) == S, "moe_rows: expert id out of range");
-  auto token = at::empty({S}, ids.options());
-  int64_t* tp = token.data_ptr<int64_t>();
-  for (int64_t p = 0; p < S; ++p) tp[p] = order[p] / k;
-  auto xs = x.contiguous().index_select(0, token);                  // [S, H]
-  auto gu = at::empty({S, 2 * I}, x.options());
-  products(xs, experts, start, count, 0, gu);
-  auto h = at::silu(gu.slice(1, 0, I)) * gu.slice(1, I, 2 * I);       // gu.chunk(2, -1)
-  auto ys = at::empty({S, H}, x.options());
-  products(h, experts, start, count, 1, ys);
-  auto wb = w.to(at::kBFloat16).contiguous();
-  const auto* wp = wb.data_ptr<at::BFloat16>();
-  const auto* yp = ys.data_ptr<at::BFloat16>();
-  auto out = at::empty({M, H}, x.options());
-  auto* op = out.data_ptr<at::BFloat16>();
+  std::vector<uint16_t> xs(S * H);                  // x's rows by expert ([S, H])
+  for (int64_t p = 0; p < S; ++p)
+    std::memcpy(xs.data() + p * H, x + order[p] / k * H, H * sizeof(uint16_t));
+  auto gu = at::empty({S, 2 * I}, at::kBFloat16);
+  products(xs.data(), S, experts, start, count, 0, gu.data_ptr<at::BFloat16>());
+  // silu(g) * u of gu.chunk(2, -1): silu by ATen, the product as ATen multiplies bf16 (in
+  // fp32, rounded once to nearest even)
+  const auto sg = at::silu(gu.slice(1, 0, I)).contiguous();
+  const at::BFloat16* sp = sg.data_ptr<at::BFloat16>();
+  const at::BFloat16* up = gu.data_ptr<at::BFloat16>() + I;
+  std::vector<at::BFloat16> h(S * I);
+  for (int64_t r = 0; r < S; ++r)
+    for (int64_t c = 0; c < I; ++c)
+      h[r * I + c] = at::BFloat16(static_cast<float>(sp[r * I + c]) *
+                                  static_cast<float>(up[r * 2 * I + c]));
+  std::vector<at::BFloat16> ys(S * H);
+  products(reinterpret_cast<const uint16_t*>(h.data()), S, experts, start, count, 1, ys.data());
+  const at::BFloat16* yp = ys.data();
   if (M == 1) {
     std::vector<int64_t> pos(S);                   // slot j's row of ys
     for (int64_t p = 0; p < S; ++p) pos[order[p]] = p;
@@ -784,8 +809,38 @@ at::Tensor moe_rows_with(const at::Tensor& x, const at::Tensor& idx, const at::T
     }
     for (int64_t i = 0; i < M * H; ++i) op[i] = at::BFloat16(acc[i]);
   }
-  return out;
 }
+
+// `moe_raw` with bf16 experts (gate_up [E, 2I, H], down [E, H, I] as stored)
+void moe_bf16(const uint16_t* x, int64_t M, int64_t H, const int64_t* id, int64_t k,
+              const at::BFloat16* wp, const uint16_t* gup, const uint16_t* dp, int64_t E,
+              int64_t I, at::BFloat16* op) {
+  moe_raw(x, M, H, id, k, wp, E, I, op, [&](const uint16_t* xs, int64_t S,
+                                            const std::vector<int64_t>& experts,
+                                            const std::vector<int64_t>& start,
+                                            const std::vector<int64_t>& count, int which,
+                                            at::BFloat16* y) {
+    std::vector<const uint16_t*> ws;
+    for (int64_t e : experts) ws.push_back(which == 0 ? gup + e * 2 * I * H : dp + e * H * I);
+    std::vector<float> buf;
+    if (which == 0) grouped_rows(xrow_ptr(xs, S * H, buf), ws, start, count, S, 2 * I, H, y);
+    else grouped_rows(xrow_ptr(xs, S * I, buf), ws, start, count, S, H, I, y);
+  });
+}
+
+// moe_rows' and moe_rows_i8's checks of x, idx and w; their data as moe_raw reads it
+struct MoeArgs {
+  at::Tensor x, ids, w;
+  int64_t M, H, k;
+  MoeArgs(const at::Tensor& x_, const at::Tensor& idx, const at::Tensor& w_)
+      : x(x_.contiguous()), ids(idx.to(at::kLong).contiguous()),
+        w(w_.to(at::kBFloat16).contiguous()), M(x_.size(0)), H(x_.size(1)), k(idx.size(1)) {
+    TORCH_CHECK(ids.size(0) == M && w.numel() == M * k, "moe_rows: idx and w [M, k]");
+  }
+  const uint16_t* xp() const { return reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()); }
+};
+
+}  // namespace
 
 at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
                     const at::Tensor& gate_up, const at::Tensor& down) {
@@ -795,18 +850,13 @@ at::Tensor moe_rows(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   const int64_t H = x.size(1), E = gate_up.size(0), I = down.size(2);
   TORCH_CHECK(gate_up.size(1) == 2 * I && gate_up.size(2) == H && down.size(1) == H);
   auto guc = gate_up.contiguous(), dc = down.contiguous();
-  const auto* gup = reinterpret_cast<const uint16_t*>(guc.data_ptr<at::BFloat16>());
-  const auto* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::BFloat16>());
-  return moe_rows_with(x, idx, w, E, I, [&](const at::Tensor& xs,
-                                            const std::vector<int64_t>& experts,
-                                            const std::vector<int64_t>& start,
-                                            const std::vector<int64_t>& count, int which,
-                                            at::Tensor& y) {
-    std::vector<const uint16_t*> ws;
-    for (int64_t e : experts) ws.push_back(which == 0 ? gup + e * 2 * I * H : dp + e * H * I);
-    if (which == 0) grouped_rows(xs, ws, start, count, 2 * I, H, y);
-    else grouped_rows(xs, ws, start, count, H, I, y);
-  });
+  const MoeArgs a(x, idx, w);
+  auto out = at::empty({a.M, H}, x.options());
+  moe_bf16(a.xp(), a.M, H, a.ids.data_ptr<int64_t>(), a.k, a.w.data_ptr<at::BFloat16>(),
+           reinterpret_cast<const uint16_t*>(guc.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const uint16_t*>(dc.data_ptr<at::BFloat16>()), E, I,
+           out.data_ptr<at::BFloat16>());
+  return out;
 }
 
 // `moe_rows` with the experts' int8 copies (`quantize`: gq [E, 2I, H] int8 and gs [E, 2I]
@@ -827,20 +877,27 @@ at::Tensor moe_rows_i8(const at::Tensor& x, const at::Tensor& idx, const at::Ten
   const int8_t* dp = dqc.data_ptr<int8_t>();
   const float* gsp = gsf.data_ptr<float>();
   const float* dsp = dsf.data_ptr<float>();
-  return moe_rows_with(x, idx, w, E, I, [&](const at::Tensor& xs,
+  const MoeArgs a(x, idx, w);
+  auto out = at::empty({a.M, H}, x.options());
+  moe_raw(a.xp(), a.M, H, a.ids.data_ptr<int64_t>(), a.k, a.w.data_ptr<at::BFloat16>(), E, I,
+          out.data_ptr<at::BFloat16>(), [&](const uint16_t* xs, int64_t S,
                                             const std::vector<int64_t>& experts,
                                             const std::vector<int64_t>& start,
                                             const std::vector<int64_t>& count, int which,
-                                            at::Tensor& y) {
+                                            at::BFloat16* y) {
     std::vector<const int8_t*> ws;
     std::vector<const float*> ss;
     for (int64_t e : experts) {
       ws.push_back(which == 0 ? gp + e * 2 * I * H : dp + e * H * I);
       ss.push_back(which == 0 ? gsp + e * 2 * I : dsp + e * H);
     }
-    if (which == 0) grouped_rows_i8(xs, ws, ss, start, count, 2 * I, H, y);
-    else grouped_rows_i8(xs, ws, ss, start, count, H, I, y);
+    const int64_t K = which == 0 ? H : I;
+    std::vector<float> xf(S * K);                 // x's rows widened to fp32, exactly
+    for (int64_t i = 0; i < S * K; ++i) xf[i] = bf16_to_float(xs[i]);
+    if (which == 0) grouped_rows_i8(xf.data(), ws, ss, start, count, S, 2 * I, H, y);
+    else grouped_rows_i8(xf.data(), ws, ss, start, count, S, H, I, y);
   });
+  return out;
 }
 
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
@@ -895,6 +952,53 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
+namespace {
+// `attention_rows` on pointers: q [B, KV, G x T, D] (x rows), key (value) position s of row b,
+// kv head h at k + b * kb + h * kh + s * D (v likewise), the mask of (b, t) at m + (b * T + t)
+// * ms (or none), out [B, KV, G x T, D]
+void attention_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t T, int64_t D,
+                   int64_t S, const uint16_t* kp, int64_t kb, int64_t kh, const uint16_t* vp,
+                   int64_t vb, int64_t vh, const bool* mp, int64_t ms, bool causal, float sc,
+                   at::BFloat16* op) {
+  const int64_t past = S - T, R = G * T, blocks = (R + kRows - 1) / kRows;
+  // jobs: (row, kv head, block of 8 of its G x T query rows); grain ~64k multiply-adds
+  const int64_t work = std::max<int64_t>(1, 2 * std::min(kRows, R) * S * D);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  at::parallel_for(0, B * KV * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kRows * S), acc(kRows * D), total(kRows);
+    std::vector<int64_t> last(kRows);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t bh = job / blocks, r0 = (job % blocks) * kRows;     // bh: (b, h)
+      const int64_t b = bh / KV, h = bh % KV, n = std::min(kRows, R - r0);
+      int64_t seen = 0;                            // keys any row of the block sees: [0, seen)
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = (r0 + r) % T;
+        last[r] = causal ? past + t + 1 : S;
+        if (mp) {
+          const bool* m = mp + (b * T + t) * ms;
+          while (last[r] > 0 && !m[last[r] - 1]) --last[r];
+        }
+        seen = std::max(seen, last[r]);
+      }
+      const XRow* qr = qp + (bh * R + r0) * D;
+      rows_range_any<false>(n, qr, kp + b * kb + h * kh, seen, D, nullptr, scores.data(), 0, seen);
+      for (int64_t r = 0; r < n; ++r) {                 // scores [n, seen]
+        float* s = scores.data() + r * seen;
+        const bool* m = mp ? mp + (b * T + (r0 + r) % T) * ms : nullptr;
+        const float mx = scale_visible(s, seen, last[r], m, sc);
+        total[r] = exp_lanes(s, seen, mx);           // s[j] = exp(s[j] - mx), their sum
+      }
+      weighted_values(n, scores.data(), seen, seen, vp + b * vb + h * vh, D, acc.data());
+      at::BFloat16* o = op + (bh * R + r0) * D;
+      for (int64_t r = 0; r < n; ++r) {
+        const float inv = 1.0f / total[r];
+        for (int64_t d = 0; d < D; ++d) o[r * D + d] = at::BFloat16(acc[r * D + d] * inv);
+      }
+    }
+  });
+}
+}  // namespace
+
 // Attention in bf16 without autograd (decode steps and prefill), row by row: q [B, KV, G, T,
 // D] (the G query heads that share kv head h, T new positions each), k and v [B, KV, S, D]
 // (the cache's first S columns; the T new ones last), mask [B, T, S] (true: attend) or none,
@@ -930,51 +1034,60 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
     mc = mask->reshape({B, T, S}).to(at::kBool).contiguous();
   }
   auto out = at::empty({B, KV, G, T, D}, q.options());
-  const auto* qp = static_cast<const XRow*>(qx.data_ptr());
-  const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
-  const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
-  auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t kb = kc.stride(0), kh = kc.stride(1), vb = vc.stride(0), vh = vc.stride(1);
-  const int64_t past = S - T, R = G * T, blocks = (R + kRows - 1) / kRows;
-  const float sc = static_cast<float>(scale);
-  // jobs: (row, kv head, block of 8 of its G x T query rows); grain ~64k multiply-adds
-  const int64_t work = std::max<int64_t>(1, 2 * std::min(kRows, R) * S * D);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
-  at::parallel_for(0, B * KV * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kRows * S), acc(kRows * D), total(kRows);
-    std::vector<int64_t> last(kRows);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t bh = job / blocks, r0 = (job % blocks) * kRows;     // bh: (b, h)
-      const int64_t b = bh / KV, h = bh % KV, n = std::min(kRows, R - r0);
-      int64_t seen = 0;                            // keys any row of the block sees: [0, seen)
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t t = (r0 + r) % T;
-        last[r] = causal ? past + t + 1 : S;
-        if (mp) {
-          const bool* m = mp + (b * T + t) * S;
-          while (last[r] > 0 && !m[last[r] - 1]) --last[r];
-        }
-        seen = std::max(seen, last[r]);
-      }
-      const XRow* qr = qp + (bh * R + r0) * D;
-      rows_range_any<false>(n, qr, kp + b * kb + h * kh, seen, D, nullptr, scores.data(), 0, seen);
-      for (int64_t r = 0; r < n; ++r) {                 // scores [n, seen]
-        float* s = scores.data() + r * seen;
-        const bool* m = mp ? mp + (b * T + (r0 + r) % T) * S : nullptr;
-        const float mx = scale_visible(s, seen, last[r], m, sc);
-        total[r] = exp_lanes(s, seen, mx);           // s[j] = exp(s[j] - mx), their sum
-      }
-      weighted_values(n, scores.data(), seen, seen, vp + b * vb + h * vh, D, acc.data());
-      at::BFloat16* o = op + (bh * R + r0) * D;
-      for (int64_t r = 0; r < n; ++r) {
-        const float inv = 1.0f / total[r];
-        for (int64_t d = 0; d < D; ++d) o[r * D + d] = at::BFloat16(acc[r * D + d] * inv);
-      }
-    }
-  });
+  attention_raw(static_cast<const XRow*>(qx.data_ptr()), B, KV, G, T, D, S,
+                reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>()), kc.stride(0),
+                kc.stride(1), reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>()),
+                vc.stride(0), vc.stride(1), mc.defined() ? mc.data_ptr<bool>() : nullptr, S,
+                causal, static_cast<float>(scale), out.data_ptr<at::BFloat16>());
   return out;
 }
+
+namespace {
+// `rms_norm_rows` on pointers: N rows of H (x, out), row i scaled by weight row i % W
+void rms_rows(const uint16_t* xp, int64_t N, int64_t H, const uint16_t* wp, int64_t W,
+              float e, at::BFloat16* op) {
+  const float inv_h = 1.0f / static_cast<float>(H);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(H, 1));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t* xi = xp + i * H;
+      const uint16_t* wi = wp + (i % W) * H;
+      at::BFloat16* oi = op + i * H;
+#if defined(__AVX512F__)
+      // the loop below 16 lanes at a time: the same fused multiply-adds and roundings
+      auto load = [&](const uint16_t* p, int64_t c) {
+        const int64_t n = std::min<int64_t>(kLanes, H - c);
+        return widen_bf16(_mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), p + c));
+      };
+      __m512 lanes = _mm512_setzero_ps();
+      for (int64_t c = 0; c < H; c += kLanes) {
+        const __m512 v = load(xi, c);
+        lanes = _mm512_fmadd_ps(v, v, lanes);
+      }
+      const float r = 1.0f / std::sqrt(lane_sum(lanes) * inv_h + e);
+      const __m512 rv = _mm512_set1_ps(r);
+      for (int64_t c = 0; c < H; c += kLanes) {
+        const __m512 n = bf16_rounded(_mm512_mul_ps(load(xi, c), rv));
+        _mm256_mask_storeu_epi16(oi + c, __mmask16((1u << std::min<int64_t>(kLanes, H - c)) - 1),
+                                 bf16_round(_mm512_mul_ps(load(wi, c), n)));
+      }
+#else
+      float lanes[kLanes] = {};
+      for (int64_t c = 0; c < H; c += kLanes)
+        for (int l = 0; l < kLanes && c + l < H; ++l) {
+          const float v = bf16_to_float(xi[c + l]);
+          lanes[l] = std::fma(v, v, lanes[l]);
+        }
+      const float r = 1.0f / std::sqrt(lane_sum(lanes) * inv_h + e);
+      for (int64_t c = 0; c < H; ++c) {
+        const float n = static_cast<float>(at::BFloat16(bf16_to_float(xi[c]) * r));
+        oi[c] = at::BFloat16(bf16_to_float(wi[c]) * n);
+      }
+#endif
+    }
+  });
+}
+}  // namespace
 
 // weight[i % W] * bf16(x_i / rms(x_i)) for each row i of x [..., H] (bf16), weight [W, H] or
 // [H] bf16: RMSNorm in bf16 without autograd, in one pass instead of eight operations. The
@@ -991,31 +1104,85 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
               "rms_norm_rows: weight [W, H]");
   auto xc = x.contiguous(), wc = weight.contiguous();
   auto out = at::empty_like(xc);
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-  auto* op = out.data_ptr<at::BFloat16>();
-  const float e = static_cast<float>(eps), inv_h = 1.0f / static_cast<float>(H);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(H, 1));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint16_t* xi = xp + i * H;
-      const uint16_t* wi = wp + (i % W) * H;
-      float lanes[kLanes] = {};
-      for (int64_t c = 0; c < H; c += kLanes)
-        for (int l = 0; l < kLanes && c + l < H; ++l) {
-          const float v = bf16_to_float(xi[c + l]);
-          lanes[l] = std::fma(v, v, lanes[l]);
-        }
-      const float r = 1.0f / std::sqrt(lane_sum(lanes) * inv_h + e);
-      at::BFloat16* oi = op + i * H;
-      for (int64_t c = 0; c < H; ++c) {
-        const float n = static_cast<float>(at::BFloat16(bf16_to_float(xi[c]) * r));
-        oi[c] = at::BFloat16(bf16_to_float(wi[c]) * n);
+  rms_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), N, H,
+           reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), W,
+           static_cast<float>(eps), out.data_ptr<at::BFloat16>());
+  return out;
+}
+
+namespace {
+// `shared_attention` on pointers (q [B, KV, G, D] x rows; k, v, the mask and out as
+// `attention_raw`'s with T = 1; f[b] row b's first shared column): false, with nothing written,
+// when no column can be shared
+bool shared_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t D, int64_t S,
+                const uint16_t* kp, int64_t kb, int64_t kh, const uint16_t* vp, int64_t vb,
+                int64_t vh, const bool* mp, int64_t ms, float sc, int64_t shared,
+                const int64_t* f, at::BFloat16* op) {
+  int64_t P = shared;
+  for (int64_t b = 0; b < B && P > 0; ++b) {
+    if (f[b] < 0 || (!mp && f[b] > 0)) P = 0;
+    P = std::min(P, S - f[b]);
+    for (int64_t j = 0; mp && j < f[b] && P > 0; ++j)
+      if (mp[b * ms + j]) P = 0;                   // a column before the shared ones is seen
+    for (int64_t j = 0; mp && j < P; ++j)
+      if (!mp[b * ms + f[b] + j]) P = j;           // a shared column is hidden
+  }
+  if (P <= 0) return false;
+  const int64_t R = B * G, blocks = (R + kRows - 1) / kRows;   // query rows of a kv head
+  const int64_t work = std::max<int64_t>(1, 2 * std::min(kRows, R) * S * D);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  at::parallel_for(0, KV * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kRows * S), common(kRows * P), acc(kRows * D), total(kRows);
+    std::vector<XRow> qr(kRows * D);
+    std::vector<int64_t> last(kRows), row(kRows);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t h = job / blocks, i0 = (job % blocks) * kRows, n = std::min(kRows, R - i0);
+      int64_t seen = 0;
+      for (int64_t r = 0; r < n; ++r) {             // query row i0 + r: row b, head g of h
+        const int64_t b = row[r] = (i0 + r) / G, g = (i0 + r) % G;
+        std::memcpy(qr.data() + r * D, qp + ((b * KV + h) * G + g) * D, D * sizeof(XRow));
+        last[r] = S;
+        if (mp)
+          while (last[r] > f[b] + P && !mp[b * ms + last[r] - 1]) --last[r];
+        seen = std::max(seen, last[r]);
+      }
+      // scores [n, seen]: the shared columns for all n rows at once (row 0's keys), placed in
+      // each row's own columns, then each row's own columns after them
+      rows_range_any<false>(n, qr.data(), kp + h * kh + f[0] * D, P, D, nullptr, common.data(),
+                            0, P);
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(scores.data() + r * seen + f[row[r]], common.data() + r * P, P * sizeof(float));
+      for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {   // runs of query rows of one row b
+        const int64_t b = row[r0];
+        for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
+        rows_range_any<false>(r1 - r0, qr.data() + r0 * D, kp + b * kb + h * kh, seen, D,
+                              nullptr, scores.data() + r0 * seen, f[b] + P, last[r0]);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        float* s = scores.data() + r * seen;
+        const bool* m = mp ? mp + row[r] * ms : nullptr;
+        const float mx = scale_visible(s, seen, last[r], m, sc);   // before from[b]: masked
+        total[r] = exp_lanes(s, seen, mx);
+        std::memcpy(common.data() + r * P, s + f[row[r]], P * sizeof(float));
+      }
+      weighted_values(n, common.data(), P, P, vp + h * vh + f[0] * D, D, acc.data());
+      for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {
+        const int64_t b = row[r0], own = f[b] + P;
+        for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
+        weighted_values(r1 - r0, scores.data() + r0 * seen + own, seen, last[r0] - own,
+                        vp + b * vb + h * vh + own * D, D, acc.data() + r0 * D, true);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t b = row[r], g = (i0 + r) % G;
+        const float inv = 1.0f / total[r];
+        at::BFloat16* o = op + ((b * KV + h) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = at::BFloat16(acc[r * D + d] * inv);
       }
     }
   });
-  return out;
+  return true;
 }
+}  // namespace
 
 // `attention_rows` of one new token per row when every row b holds the same `shared` keys
 // and values in its columns from[b]...from[b] + shared (a group's common prompt, or the
@@ -1039,90 +1206,57 @@ at::Tensor shared_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "shared_attention: q [B, KV, G, D], k and v [B, KV, S, D], bf16");
   TORCH_CHECK(from.numel() == B, "shared_attention: one first shared column per row");
   const auto fc = from.to(at::kLong).contiguous();
-  const int64_t* f = fc.data_ptr<int64_t>();
   at::Tensor mc;
-  const bool* mp = nullptr;
   if (mask.has_value() && mask->defined()) {
     TORCH_CHECK(mask->numel() == B * S, "shared_attention: a mask of B x S");
     mc = mask->reshape({B, S}).to(at::kBool).contiguous();
-    mp = mc.data_ptr<bool>();
   }
-  int64_t P = shared;
-  for (int64_t b = 0; b < B && P > 0; ++b) {
-    if (f[b] < 0 || (!mp && f[b] > 0)) P = 0;
-    P = std::min(P, S - f[b]);
-    for (int64_t j = 0; mp && j < f[b] && P > 0; ++j)
-      if (mp[b * S + j]) P = 0;                    // a column before the shared ones is seen
-    for (int64_t j = 0; mp && j < P; ++j)
-      if (!mp[b * S + f[b] + j]) P = j;            // a shared column is hidden
-  }
-  if (P <= 0) return attention_rows(q.unsqueeze(3), k, v, mask, false, scale).squeeze(3);
   auto rows = [&](const at::Tensor& t) {
     return t.stride(3) == 1 && (S == 1 || t.stride(2) == D) ? t : t.contiguous();
   };
   const at::Tensor kc = rows(k), vc = rows(v);
   auto qx = as_xrows(q);
   auto out = at::empty({B, KV, G, D}, q.options());
-  const auto* qp = static_cast<const XRow*>(qx.data_ptr());
-  const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
-  auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t kb = kc.stride(0), kh = kc.stride(1), vb = vc.stride(0), vh = vc.stride(1);
-  const int64_t R = B * G, blocks = (R + kRows - 1) / kRows;   // query rows of a kv head
-  const float sc = static_cast<float>(scale);
-  const int64_t work = std::max<int64_t>(1, 2 * std::min(kRows, R) * S * D);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
-  at::parallel_for(0, KV * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kRows * S), common(kRows * P), acc(kRows * D), total(kRows);
-    std::vector<XRow> qr(kRows * D);
-    std::vector<int64_t> last(kRows), row(kRows);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t h = job / blocks, i0 = (job % blocks) * kRows, n = std::min(kRows, R - i0);
-      int64_t seen = 0;
-      for (int64_t r = 0; r < n; ++r) {             // query row i0 + r: row b, head g of h
-        const int64_t b = row[r] = (i0 + r) / G, g = (i0 + r) % G;
-        std::memcpy(qr.data() + r * D, qp + ((b * KV + h) * G + g) * D, D * sizeof(XRow));
-        last[r] = S;
-        if (mp)
-          while (last[r] > f[b] + P && !mp[b * S + last[r] - 1]) --last[r];
-        seen = std::max(seen, last[r]);
-      }
-      // scores [n, seen]: the shared columns for all n rows at once (row 0's keys), placed in
-      // each row's own columns, then each row's own columns after them
-      rows_range_any<false>(n, qr.data(), kp + h * kh + f[0] * D, P, D, nullptr, common.data(),
-                            0, P);
-      for (int64_t r = 0; r < n; ++r)
-        std::memcpy(scores.data() + r * seen + f[row[r]], common.data() + r * P, P * sizeof(float));
-      for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {   // runs of query rows of one row b
-        const int64_t b = row[r0];
-        for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
-        rows_range_any<false>(r1 - r0, qr.data() + r0 * D, kp + b * kb + h * kh, seen, D,
-                              nullptr, scores.data() + r0 * seen, f[b] + P, last[r0]);
-      }
-      for (int64_t r = 0; r < n; ++r) {
-        float* s = scores.data() + r * seen;
-        const bool* m = mp ? mp + row[r] * S : nullptr;
-        const float mx = scale_visible(s, seen, last[r], m, sc);   // before from[b]: masked
-        total[r] = exp_lanes(s, seen, mx);
-        std::memcpy(common.data() + r * P, s + f[row[r]], P * sizeof(float));
-      }
-      weighted_values(n, common.data(), P, P, vp + h * vh + f[0] * D, D, acc.data());
-      for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {
-        const int64_t b = row[r0], own = f[b] + P;
-        for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
-        weighted_values(r1 - r0, scores.data() + r0 * seen + own, seen, last[r0] - own,
-                        vp + b * vb + h * vh + own * D, D, acc.data() + r0 * D, true);
-      }
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t b = row[r], g = (i0 + r) % G;
-        const float inv = 1.0f / total[r];
-        at::BFloat16* o = op + ((b * KV + h) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = at::BFloat16(acc[r * D + d] * inv);
-      }
-    }
-  });
+  if (!shared_raw(static_cast<const XRow*>(qx.data_ptr()), B, KV, G, D, S,
+                  reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>()), kc.stride(0),
+                  kc.stride(1), reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>()),
+                  vc.stride(0), vc.stride(1), mc.defined() ? mc.data_ptr<bool>() : nullptr, S,
+                  static_cast<float>(scale), shared, fc.data_ptr<int64_t>(),
+                  out.data_ptr<at::BFloat16>()))
+    return attention_rows(q.unsqueeze(3), k, v, mask, false, scale).squeeze(3);
   return out;
 }
+
+namespace {
+// one row of D (a head of one position) rotated: o = x * c + rotate_half(x) * s, each product
+// and the sum rounded to bf16
+inline void rope_row(const uint16_t* xi, const uint16_t* c, const uint16_t* s, int64_t D,
+                     at::BFloat16* o) {
+  const int64_t half = D / 2;
+#if defined(__AVX512F__)
+  if (half % kLanes == 0) {           // the loop below 16 lanes at a time, the same roundings
+    auto load = [](const uint16_t* p) {
+      return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const __m512 r = d < half ? _mm512_xor_ps(load(xi + d + half), sign) : load(xi + d - half);
+      const __m512 a = bf16_rounded(_mm512_mul_ps(load(xi + d), load(c + d)));
+      const __m512 e = bf16_rounded(_mm512_mul_ps(r, load(s + d)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round(_mm512_add_ps(a, e)));
+    }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = bf16_to_float(xi[d]);
+    const float r = d < half ? -bf16_to_float(xi[d + half]) : bf16_to_float(xi[d - half]);
+    const float a = static_cast<float>(at::BFloat16(v * bf16_to_float(c[d])));
+    const float e = static_cast<float>(at::BFloat16(r * bf16_to_float(s[d])));
+    o[d] = at::BFloat16(a + e);
+  }
+}
+}  // namespace
 
 // Rotary embedding of q and k in bf16 without autograd, in one pass instead of six
 // operations: x [B, T, N, D] (the N = heads + kv heads of each position), cos and sin
@@ -1134,7 +1268,7 @@ at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
               sin.scalar_type() == at::kBFloat16 && x.dim() == 4,
               "rope_rows: x [B, T, N, D], cos and sin [B, T, D], bf16");
-  const int64_t B = x.size(0), T = x.size(1), N = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t B = x.size(0), T = x.size(1), N = x.size(2), D = x.size(3);
   TORCH_CHECK(D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
               "rope_rows: cos and sin [B, T, D] with D even");
   auto xc = x.contiguous();
@@ -1150,17 +1284,8 @@ at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
       const int64_t b = bt / T, t = bt % T;
       const uint16_t* c = cp + bt * D;
       const uint16_t* s = sp + bt * D;
-      for (int64_t n = 0; n < N; ++n) {
-        const uint16_t* xi = xp + (bt * N + n) * D;
-        at::BFloat16* o = op + ((b * N + n) * T + t) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float v = bf16_to_float(xi[d]);
-          const float r = d < half ? -bf16_to_float(xi[d + half]) : bf16_to_float(xi[d - half]);
-          const float a = static_cast<float>(at::BFloat16(v * bf16_to_float(c[d])));
-          const float e = static_cast<float>(at::BFloat16(r * bf16_to_float(s[d])));
-          o[d] = at::BFloat16(a + e);
-        }
-      }
+      for (int64_t n = 0; n < N; ++n)
+        rope_row(xp + (bt * N + n) * D, c, s, D, op + ((b * N + n) * T + t) * D);
     }
   });
   return out;
@@ -1274,6 +1399,177 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
   return at::zeros_like(x).index_add_(0, token, ys);
 }
 
+// `decode_step` for its common case, on pointers: every weight, the cache and the rotary
+// tables bf16, at most 8 rows, q, k and v's weights in one (`qkv`), no biases, no int8 copies.
+// The same kernels on the same values in the same order as the step below, so the same bits
+// (`rows_linear`'s, `rms_norm_rows`', `rope_rows`', `decode_attention`'s, `moe_rows`' bodies;
+// a bf16 sum is fp32 rounded once to nearest even, as ATen's), without the ~70 tensor
+// operations a layer (views, slices, copies, allocations) that cost about as much as the
+// arithmetic at these sizes: what stays is the router's softmax and top-k and the experts'
+// silu, by ATen, as before. Returns nothing when the case is another.
+std::vector<at::Tensor> decode_direct(
+    const at::Tensor& tokens, int64_t past, at::Tensor& valid, const at::Tensor& cos_table,
+    const at::Tensor& sin_table, const at::Tensor& embed, const at::Tensor& final_norm,
+    const at::Tensor& lm_head, const std::vector<c10::optional<at::Tensor>>& layers,
+    const std::vector<c10::optional<at::Tensor>>& biases,
+    const std::vector<c10::optional<at::Tensor>>& qkv, const std::vector<at::Tensor>& k_cache,
+    const std::vector<at::Tensor>& v_cache, int64_t heads, int64_t kv_heads, int64_t D,
+    int64_t top_k, bool norm_topk, double eps, double scale, int64_t shared,
+    const c10::optional<at::Tensor>& shared_from) {
+  const int64_t B = tokens.size(0), L = static_cast<int64_t>(k_cache.size());
+  const int64_t H = embed.size(1), V = lm_head.size(0), G = heads / kv_heads;
+  const int64_t NQ = heads * D, NK = kv_heads * D, NH = heads + kv_heads;
+  auto bf = [](const c10::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() && t->scalar_type() == at::kBFloat16 &&
+           t->is_contiguous();
+  };
+  auto none = [](const c10::optional<at::Tensor>& t) { return !t.has_value() || !t->defined(); };
+  if (B < 1 || B > kRows || tokens.dim() != 1 || tokens.scalar_type() != at::kLong ||
+      valid.dim() != 2 || valid.scalar_type() != at::kBool || valid.stride(1) != 1 ||
+      valid.size(0) != B || !bf(embed) || !bf(final_norm) || !bf(lm_head) || !bf(cos_table) ||
+      !bf(sin_table) || cos_table.size(-1) != D || sin_table.size(-1) != D ||
+      lm_head.size(1) != H || final_norm.numel() != H || static_cast<int64_t>(layers.size()) != 10 * L)
+    return {};
+  int64_t E = 0, I = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const c10::optional<at::Tensor>* p = &layers[10 * l];
+    if (!bf(p[0]) || !bf(p[4]) || !bf(p[6]) || !bf(p[7]) || !bf(p[8]) || !bf(p[9]) ||
+        !(none(p[5]) || bf(p[5])) || !bf(qkv[2 * l]) || !none(qkv[2 * l + 1]))
+      return {};
+    for (int j = 0; j < 4; ++j)
+      if (!none(biases[4 * l + j])) return {};
+    const at::Tensor &k = k_cache[l], &v = v_cache[l], &gu = *p[8], &dn = *p[9];
+    if (l == 0) E = gu.size(0), I = dn.size(2);
+    if (k.scalar_type() != at::kBFloat16 || v.scalar_type() != at::kBFloat16 || k.dim() != 4 ||
+        v.sizes() != k.sizes() || k.size(0) != B || k.size(1) != kv_heads || k.size(3) != D ||
+        k.size(2) <= past || k.stride(3) != 1 || k.stride(2) != D || v.stride(3) != 1 ||
+        v.stride(2) != D || qkv[2 * l]->size(0) != NQ + 2 * NK || qkv[2 * l]->size(1) != H ||
+        p[4]->size(0) != H || p[4]->size(1) != NQ || p[0]->numel() != H || p[6]->numel() != H ||
+        p[7]->size(0) != E || p[7]->size(1) != H || gu.size(0) != E || gu.size(1) != 2 * I ||
+        gu.size(2) != H || dn.size(0) != E || dn.size(1) != H || dn.size(2) != I ||
+        (bf(p[5]) && p[5]->numel() != NH * D))
+      return {};
+  }
+  auto u16 = [](const at::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  };
+  auto raw = [](const std::vector<at::BFloat16>& b) {
+    return reinterpret_cast<const uint16_t*>(b.data());
+  };
+  // the key padding: a column not yet valid in some row means left padding (positions count
+  // a row's own tokens, and attention takes the mask)
+  bool* vp = valid.data_ptr<bool>();
+  const int64_t vs = valid.stride(0);
+  bool padded = false;
+  for (int64_t b = 0; b < B && !padded; ++b)
+    for (int64_t j = 0; j < past && !padded; ++j) padded = !vp[b * vs + j];
+  std::vector<int64_t> pos(B, past);
+  for (int64_t b = 0; b < B; ++b) {
+    vp[b * vs + past] = true;
+    if (padded) {
+      int64_t n = 0;
+      for (int64_t j = 0; j <= past; ++j) n += vp[b * vs + j];
+      pos[b] = std::max<int64_t>(n - 1, 0);
+    }
+    TORCH_CHECK(pos[b] < cos_table.size(0), "decode_step: position past the rotary table");
+  }
+  const auto tk = tokens.contiguous();
+  const int64_t* tp = tk.data_ptr<int64_t>();
+  std::vector<at::BFloat16> x(B * H), h(B * H), qkvo(B * (NQ + 2 * NK)), qk(B * NH * D),
+      qn(B * NH * D), q(B * NQ), att(B * NQ), o(B * H), gate(B * E), y(B * H),
+      wbf(B * top_k);
+  std::vector<float> gatef(B * E);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(tp[b] >= 0 && tp[b] < embed.size(0), "decode_step: token id out of range");
+    std::memcpy(x.data() + b * H, embed.data_ptr<at::BFloat16>() + tp[b] * H, H * 2);
+  }
+  std::vector<float> xbuf;
+  auto matmul = [&](const std::vector<at::BFloat16>& in, const at::Tensor& w, at::BFloat16* out) {
+    const int64_t N = w.size(0), K = w.size(1);
+    const XRow* xr = xrow_ptr(raw(in), B * K, xbuf);
+    with_rows(B, [&](auto m) { rows_kernel<decltype(m)::value>(xr, u16(w), N, K, nullptr, out); });
+  };
+  auto add = [&](const std::vector<at::BFloat16>& r) {      // x = x + r, as ATen adds bf16
+    for (int64_t i = 0; i < B * H; ++i)
+      x[i] = at::BFloat16(static_cast<float>(x[i]) + static_cast<float>(r[i]));
+  };
+  const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
+  std::vector<int64_t> from(B, 0);
+  if (shared > 0 && B > 1 && shared_from.has_value() && shared_from->defined()) {
+    const auto fc = shared_from->to(at::kLong).contiguous();
+    TORCH_CHECK(fc.numel() == B, "shared_attention: one first shared column per row");
+    std::copy(fc.data_ptr<int64_t>(), fc.data_ptr<int64_t>() + B, from.begin());
+  }
+  auto routes = at::empty({B, 1, L, top_k}, tokens.options());
+  int64_t* rp = routes.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l) {
+    const c10::optional<at::Tensor>* p = &layers[10 * l];
+    const at::Tensor &kc = k_cache[l], &vc = v_cache[l];
+    rms_rows(raw(x), B, H, u16(*p[0]), 1, e, h.data());
+    matmul(h, *qkv[2 * l], qkvo.data());
+    for (int64_t b = 0; b < B; ++b)                 // q and k of each row: [NH, D]
+      std::memcpy(qk.data() + b * NH * D, qkvo.data() + b * (NQ + 2 * NK), NH * D * 2);
+    const uint16_t* qkr = raw(qk);
+    if (bf(p[5])) {
+      rms_rows(raw(qk), B * NH, D, u16(*p[5]), NH, e, qn.data());
+      qkr = raw(qn);
+    }
+    auto* kp = reinterpret_cast<uint16_t*>(kc.data_ptr<at::BFloat16>());
+    auto* vcp = reinterpret_cast<uint16_t*>(vc.data_ptr<at::BFloat16>());
+    const int64_t kb = kc.stride(0), kh = kc.stride(1), vb = vc.stride(0), vh = vc.stride(1);
+    for (int64_t b = 0; b < B; ++b) {
+      const uint16_t* c = u16(cos_table) + pos[b] * D;
+      const uint16_t* sn = u16(sin_table) + pos[b] * D;
+      for (int64_t n = 0; n < NH; ++n)
+        rope_row(qkr + (b * NH + n) * D, c, sn, D,
+                 n < heads ? q.data() + (b * heads + n) * D
+                           : reinterpret_cast<at::BFloat16*>(kp + b * kb + (n - heads) * kh +
+                                                              past * D));
+      for (int64_t j = 0; j < kv_heads; ++j)       // v into the cache
+        std::memcpy(vcp + b * vb + j * vh + past * D,
+                    qkvo.data() + b * (NQ + 2 * NK) + NQ + NK + j * D, D * 2);
+    }
+    std::vector<float> qbuf;
+    const XRow* qx = xrow_ptr(raw(q), B * NQ, qbuf);
+    const bool* mp = padded ? vp : nullptr;
+    if (!(shared > 0 && B > 1 &&
+          shared_raw(qx, B, kv_heads, G, D, past + 1, kp, kb, kh, vcp, vb, vh, mp, vs, sc,
+                     shared, from.data(), att.data())))
+      attention_raw(qx, B, kv_heads, G, 1, D, past + 1, kp, kb, kh, vcp, vb, vh, mp, vs, false,
+                    sc, att.data());
+    matmul(att, *p[4], o.data());
+    add(o);
+    rms_rows(raw(x), B, H, u16(*p[6]), 1, e, h.data());
+    matmul(h, *p[7], gate.data());
+    for (int64_t i = 0; i < B * E; ++i) gatef[i] = static_cast<float>(gate[i]);
+    const auto top = at::from_blob(gatef.data(), {B, E}, at::kFloat).softmax(-1).topk(top_k, -1);
+    const auto idx = std::get<1>(top).contiguous();
+    at::Tensor w = std::get<0>(top).contiguous();
+    if (norm_topk && top_k == 2) {    // w / w.sum(-1, true): two weights' sum is one addition
+      const float* wp = w.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) {
+        const float total = wp[2 * b] + wp[2 * b + 1];
+        for (int j = 0; j < 2; ++j) wbf[2 * b + j] = at::BFloat16(wp[2 * b + j] / total);
+      }
+    } else {
+      if (norm_topk) w = w / w.sum(-1, true);
+      const auto wb = w.to(at::kBFloat16).contiguous();
+      std::copy(wb.data_ptr<at::BFloat16>(), wb.data_ptr<at::BFloat16>() + B * top_k,
+                wbf.begin());
+    }
+    moe_bf16(raw(h), B, H, idx.data_ptr<int64_t>(), top_k, wbf.data(), u16(*p[8]), u16(*p[9]),
+             E, I, y.data());
+    add(y);
+    for (int64_t b = 0; b < B; ++b)
+      std::copy(idx.data_ptr<int64_t>() + b * top_k, idx.data_ptr<int64_t>() + (b + 1) * top_k,
+                rp + (b * L + l) * top_k);
+  }
+  rms_rows(raw(x), B, H, u16(final_norm), 1, e, h.data());
+  auto logits = at::empty({B, 1, V}, lm_head.options());
+  matmul(h, lm_head, logits.data_ptr<at::BFloat16>());
+  return {logits, routes};
+}
+
 }  // namespace
 
 // tokens [B] long; past: columns already in the cache; valid [B, max_len] bool (the cache's
@@ -1298,8 +1594,15 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
                                     int64_t kv_heads, int64_t head_dim, int64_t top_k,
                                     bool norm_topk, bool upcast, double eps, double scale,
                                     int64_t shared, const c10::optional<at::Tensor>& shared_from,
-                                    const std::vector<c10::optional<at::Tensor>>& quant) {
+                                    const std::vector<c10::optional<at::Tensor>>& quant,
+                                    bool direct) {
   at::NoGradGuard no_grad;
+  if (direct && quant.empty()) {
+    auto out = decode_direct(tokens, past, valid, cos_table, sin_table, embed, final_norm,
+                             lm_head, layers, biases, qkv, k_cache, v_cache, heads, kv_heads,
+                             head_dim, top_k, norm_topk, eps, scale, shared, shared_from);
+    if (!out.empty()) return out;
+  }
   const Shape s{heads, kv_heads, head_dim, top_k, norm_topk, upcast, eps, scale};
   const int64_t B = tokens.size(0), D = head_dim, group = heads / kv_heads;
   const int64_t L = static_cast<int64_t>(k_cache.size());
