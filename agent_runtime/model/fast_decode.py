@@ -10,6 +10,10 @@ the first time a decode needs it; when it cannot be built (no compiler, no ninja
 is of a kind it does not cover, `stepper` returns None and generation stays in Python.
 A model with int8 copies of its weights (`quantize`) passes them too, and the step's matmuls of
 at most 8 rows run on them, as `model.linear` does.
+For a bf16 model without biases or int8 copies, the step runs on pointers instead
+(`decode_direct`: the same kernels on the same values, so the same bits, without the tensor
+operations between them; `APPRENTICE_DECODE_DIRECT=0`, read by each `stepper` call, keeps the
+tensor step).
 `APPRENTICE_FAST_DECODE=0` turns the step off, not the extension's few-row bf16 matmul
 (`rows_linear`), which `model.linear` uses whenever the extension is built, so that the Python
 step and the C++ one compute the same bits. On CPUs with AMX-BF16 tiles the few-row products
