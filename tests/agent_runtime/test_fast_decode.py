@@ -266,7 +266,9 @@ def test_prefill_attention_is_attention_and_a_prompt_in_pieces_gets_the_same_bit
     """`attention_rows` (bf16 inference attention of several new positions) against float64
     attention, causal or under a padding mask; and each new position attended alone, over
     only the keys before it (a prompt fed one token at a time, or in pieces through the
-    prefix cache), gets the bits it gets in the whole."""
+    prefix cache), gets the bits it gets in the whole. With 32 or more query rows a kv head
+    (the first two cases) the whole takes keys packed 16 a register (`packed_scores`, on
+    AVX512-BF16) and the pieces the row loop, so the two are checked against each other."""
     import torch.nn.functional as F
     ext = fast_decode.extension()
     g = torch.Generator().manual_seed(cols)

@@ -43,6 +43,7 @@ namespace {
 // 256x256 matrix takes to read).
 
 constexpr int64_t kRows = 8;
+constexpr int64_t kPackedRows = 32;   // query rows a kv head from which attention packs keys
 constexpr int kLanes = 16;
 
 inline float bf16_to_float(uint16_t v) {
@@ -955,6 +956,56 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
 }
 
 namespace {
+#if defined(__AVX512BF16__)
+// Keys as `packed_scores` reads them: for each block of 16 keys and each of the D / 2 pairs of
+// bf16 (k = 2i, 2i + 1), the 16 keys' pairs side by side (keys past S zero):
+// out[(block * D / 2 + i) * 16 + j] is key 16 * block + j's pair i.
+void pack_keys(const uint16_t* k, int64_t S, int64_t D, uint32_t* out) {
+  const int64_t P = D / 2;
+  for (int64_t b = 0; b < (S + 15) / 16; ++b)
+    for (int64_t i = 0; i < P; ++i)
+      for (int64_t j = 0; j < 16; ++j) {
+        uint32_t pair = 0;
+        if (16 * b + j < S) std::memcpy(&pair, k + (16 * b + j) * D + 2 * i, sizeof pair);
+        out[(b * P + i) * 16 + j] = pair;
+      }
+}
+
+// scores y [n, N] (row stride N) of n query rows x [n, D] (bf16, D % 32 == 0) against keys
+// 0..N packed by `pack_keys`, 16 keys a register: lane j of accumulator l takes pair l of each
+// block of 32 of x and of key j, in increasing blocks, as lane l of `dot_rows`' accumulator
+// does for one key (the same instruction on the same pairs), and the 16 accumulators are
+// added by `lane_sum`'s tree, lane by lane: the bits of `dot_rows`' scores, without adding
+// lanes across a register for each score.
+void packed_scores(int64_t n, const uint16_t* x, const uint32_t* kp, int64_t N, int64_t D,
+                   float* y) {
+  const int64_t P = D / 2;
+  for (int64_t b = 0; b * 16 < N; ++b) {
+    const uint32_t* kb = kp + b * P * 16;
+    const int64_t width = std::min<int64_t>(16, N - 16 * b);
+    const __mmask16 mask = width == 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+    for (int64_t r = 0; r < n; ++r) {
+      const uint16_t* xr = x + r * D;
+      __m512 a[16];
+      for (int l = 0; l < 16; ++l) a[l] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < P / 16; ++c)
+        for (int l = 0; l < 16; ++l) {
+          uint32_t pair;
+          std::memcpy(&pair, xr + 32 * c + 2 * l, sizeof pair);
+          a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)),
+                                  (__m512bh)_mm512_loadu_si512(kb + (16 * c + l) * 16));
+        }
+      for (int l = 0; l < 8; ++l) a[l] = _mm512_add_ps(a[l], a[l + 8]);
+      for (int l = 0; l < 4; ++l) a[l] = _mm512_add_ps(a[l], a[l + 4]);
+      _mm512_mask_storeu_ps(y + r * N + 16 * b, mask,
+                            _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
+    }
+  }
+}
+#endif
+}  // namespace
+
+namespace {
 // `attention_rows` on pointers: q [B, KV, G x T, D] (x rows), key (value) position s of row b,
 // kv head h at k + b * kb + h * kh + s * D (v likewise), the mask of (b, t) at m + (b * T + t)
 // * ms (or none), out [B, KV, G x T, D]
@@ -966,6 +1017,18 @@ void attention_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t T, 
   // jobs: (row, kv head, block of 8 of its G x T query rows); grain ~64k multiply-adds
   const int64_t work = std::max<int64_t>(1, 2 * std::min(kRows, R) * S * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  // many query rows a kv head (a prefill): its keys packed once, 16 a register (`packed_scores`)
+  std::vector<uint32_t> packed;
+  const int64_t pstride = (S + 15) / 16 * 16 * D / 2;
+#if defined(__AVX512BF16__)
+  if (R >= kPackedRows && D % 32 == 0) {
+    packed.resize(B * KV * pstride);
+    at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh)
+        pack_keys(kp + bh / KV * kb + bh % KV * kh, S, D, packed.data() + bh * pstride);
+    });
+  }
+#endif
   at::parallel_for(0, B * KV * blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kRows * S), acc(kRows * D), total(kRows);
     std::vector<int64_t> last(kRows);
@@ -983,7 +1046,13 @@ void attention_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t T, 
         seen = std::max(seen, last[r]);
       }
       const XRow* qr = qp + (bh * R + r0) * D;
-      rows_range_any<false>(n, qr, kp + b * kb + h * kh, seen, D, nullptr, scores.data(), 0, seen);
+#if defined(__AVX512BF16__)
+      if (!packed.empty())
+        packed_scores(n, qr, packed.data() + bh * pstride, seen, D, scores.data());
+      else
+#endif
+        rows_range_any<false>(n, qr, kp + b * kb + h * kh, seen, D, nullptr, scores.data(), 0,
+                              seen);
       for (int64_t r = 0; r < n; ++r) {                 // scores [n, seen]
         float* s = scores.data() + r * seen;
         const bool* m = mp ? mp + (b * T + (r0 + r) % T) * ms : nullptr;
