@@ -394,6 +394,23 @@ inline void values_blocks(int64_t DB, const float* p, int64_t ps, int64_t S, con
 // already in acc (the same chain of fused multiply-adds as one call over both ranges).
 inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
                             int64_t D, float* acc, bool more = false) {
+  if (R > 4 && R <= 8) {            // 5-8 rows in one pass over the positions, 32 lanes of D
+    for (int64_t d = 0; d < D; d += 2 * kLanes) {
+      const int64_t blocks = std::min<int64_t>(2, (D - d + kLanes - 1) / kLanes);
+      auto two = [&](auto gn) {
+        constexpr int GN = decltype(gn)::value;
+        if (blocks == 1) values_block<GN, 1>(p, ps, S, v, D, d, acc, more);
+        else values_block<GN, 2>(p, ps, S, v, D, d, acc, more);
+      };
+      switch (R) {
+        case 5: two(std::integral_constant<int, 5>()); break;
+        case 6: two(std::integral_constant<int, 6>()); break;
+        case 7: two(std::integral_constant<int, 7>()); break;
+        default: two(std::integral_constant<int, 8>()); break;
+      }
+    }
+    return;
+  }
   for (int64_t d = 0; d < D; d += 4 * kLanes) {
     const int64_t blocks = std::min<int64_t>(4, (D - d + kLanes - 1) / kLanes);
     for (int64_t r = 0; r < R; r += 4) {
