@@ -39,6 +39,8 @@ class SamplingParams:
     stop: Sequence[str] = ()                # stop strings (need `decode`); excluded from .text
     stop_token_ids: Sequence[int] = ()      # e.g. eos / <|im_end|>; the token is kept
     seed: int | None = None                 # same seed, same prompt, same weights -> same tokens
+    row_seeds: Sequence[int] | None = None  # one random stream per row, seeded apart: a row's
+                                            # draws then do not depend on the rows beside it
     loop_span: int = 0                      # end a row ("loop") once its last `loop_span` new
                                             # tokens repeat one pattern (see LoopGuard; 0 = off)
 
@@ -71,7 +73,28 @@ def _filter_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+class RowDraws:
+    """Uniform numbers drawn from one generator per row (`SamplingParams.row_seeds`), for the
+    rows `rows` (generation's live rows, in cache order), instead of one generator for the
+    batch: a row draws the numbers it would draw alone, whichever rows share its batch."""
+
+    def __init__(self, gens: Sequence[torch.Generator], rows: Sequence[int]):
+        self.gens, self.rows = gens, rows
+
+    def rand(self, n: int, device: torch.device | str) -> torch.Tensor:
+        if n != len(self.rows):
+            raise ValueError(f"{n} rows to sample but {len(self.rows)} row streams")
+        return torch.cat([torch.rand(1, generator=self.gens[b]) for b in self.rows]).to(device)
+
+
+def _uniform(gen: torch.Generator | RowDraws | None, n: int, device) -> torch.Tensor:
+    if isinstance(gen, RowDraws):
+        return gen.rand(n, device)
+    return torch.rand(n, generator=gen, device=device)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | RowDraws | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] and their behaviour logprobs [B] from last-position logits [B, V].
     On a CPU without top-k or top-p, the C++ extension's `sample_rows` does it in one pass
     (the same uniform number per row from `gen`; see its comment), else tensor operations."""
@@ -79,7 +102,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     if fused is not None:
         u = None
         if p.temperature > 0:                    # `_draw`'s number: the generator's next
-            u = torch.rand(logits.shape[0], generator=gen, device=logits.device)
+            u = _uniform(gen, logits.shape[0], logits.device)
         try:
             return fused(logits, p.temperature, u)
         except RuntimeError as e:                # NaN logits: the tensor path's garbage
@@ -90,8 +113,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     if p.temperature <= 0:
         tok = logits.argmax(-1)
         return tok, logits.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
-    return _sample_with(logits, p, torch.rand(logits.shape[0], 1, generator=gen,
-                                              device=logits.device))
+    return _sample_with(logits, p, _uniform(gen, logits.shape[0], logits.device)[:, None])
 
 
 def _sample_with(logits: torch.Tensor, p: SamplingParams, u: torch.Tensor):
@@ -140,7 +162,8 @@ def _own_logprob(logits: torch.Tensor, token: int, p: SamplingParams) -> float:
     return lp if lp > -math.inf else float((logits / p.temperature).log_softmax(-1)[0, token])
 
 
-def _allowed(logits: torch.Tensor, first: int, p: SamplingParams, gen: torch.Generator | None,
+def _allowed(logits: torch.Tensor, first: int, p: SamplingParams,
+             gen: torch.Generator | RowDraws | None,
              constraint: object) -> int | None:
     """A token drawn from one row's logits [V] as `sample` would, among those the
     constraint `allows` (`first`, already refused, excluded); None when it allows none. A
@@ -324,6 +347,11 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
     ragged = min(fed) != S or any(n != C for _, n in hits)
     ids, mask = ids.to(dev), mask.to(dev)
     gen = torch.Generator(device=dev).manual_seed(p.seed if p.seed is not None else int(torch.randint(2**62, ())))
+    row_gens = None
+    if p.row_seeds is not None:
+        if len(p.row_seeds) != B:
+            raise ValueError(f"{B} prompts but {len(p.row_seeds)} row seeds")
+        row_gens = [torch.Generator(device=dev).manual_seed(int(x)) for x in p.row_seeds]
     cache = model.new_cache(B, C + S + steps)
     heads: list[torch.Tensor | None] = [None] * B     # routes of each row's reused positions
     if C:
@@ -394,14 +422,16 @@ def generate(model: MoEModel, prompts: Sequence[Sequence[int]], params: Sampling
                     reasons[b] = names.FINISH_CANCELLED
             if all(r is not None for r in reasons):
                 break
-        tok, lp = sample(out.logits[:, -1], p, gen)   # one per live row, in cache order
+        draws = gen if row_gens is None else RowDraws(row_gens, live)
+        tok, lp = sample(out.logits[:, -1], p, draws)  # one per live row, in cache order
         tok_l, lp_l = tok.tolist(), lp.tolist()
         if held is not None:
             for j, b in enumerate(live):
                 m = held[b]
                 if m is None or reasons[b] is not None or m.allows(tok_l[j]):
                     continue
-                t = _allowed(out.logits[j, -1], tok_l[j], p, gen, m)
+                t = _allowed(out.logits[j, -1], tok_l[j], p,
+                             gen if row_gens is None else RowDraws(row_gens, [b]), m)
                 if t is None:                 # nothing allowed: the row goes on unconstrained
                     log.info("constraint of row %d allows no token after %r", b,
                              getattr(m, "state", None))

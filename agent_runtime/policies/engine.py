@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -33,6 +34,16 @@ from agent_runtime.policies.base import Completion, resolve_model_path
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
 
 
+def retry_seed(prompt: Sequence[int], temperature: float, seed: int | None) -> int:
+    """The seed of a greedy call's loop retry (`EngineConfig.loop_fallback`): a hash of its
+    prompt, the retry's temperature and `EngineConfig.seed`, so it is drawn the same way
+    every time."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack(f"<{len(prompt)}q", *prompt))
+    h.update(struct.pack("<dq", temperature, -1 if seed is None else seed))
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
 @dataclass
 class EngineConfig:
     temperature: float = 0.0                # 0 = greedy
@@ -47,7 +58,9 @@ class EngineConfig:
                                             # (`SamplingParams.loop_span`; 0 = off)
     loop_fallback: tuple[float, ...] = (0.7, 1.0)   # a call that ended in a loop is sampled
                                             # again at each of these temperatures (above the
-                                            # configured one) until one does not loop
+                                            # configured one) until one does not loop; a
+                                            # greedy call's retry from a stream seeded by its
+                                            # prompt (`retry_seed`): the same every time
     exact_history: bool = True              # feed the model's own earlier turns as the ids it
                                             # wrote, not re-rendered (`EnginePolicy.render`)
     quantize: str | None = None             # "int8": decode steps read int8 copies of the
@@ -378,7 +391,13 @@ class EnginePolicy:
                 continue
             for i in redo:
                 streams[i].restart(f"\n[repeating itself: sampling again at temperature {t}]\n")
+            # a greedy call's retry draws from a stream seeded by its prompt: the same call
+            # gets the same retry, alone or beside others (an evaluation repeats itself)
+            seeds_of = None
+            if self.config.temperature <= 0:
+                seeds_of = [retry_seed(prompts[i], t, self.config.seed) for i in redo]
             again, v = self._generate([prompts[i] for i in redo], n_new, temperature=t,
+                                      row_seeds=seeds_of,
                                       on_token=lambda row, tok, lp: streams[redo[row]].push(tok),
                                       row_should_stop=[cancel[i] for i in redo] if cancel else None,
                                       grammar=[grammar[i] for i in redo],

@@ -90,6 +90,23 @@ def test_a_call_that_loops_is_sampled_again_hotter(tmp_path):
     assert c.finish_reason == "loop" and c.temperature == 0.0 and len(c.completion_ids) == 16
 
 
+def test_a_greedy_calls_retry_is_drawn_the_same_way_every_time(tmp_path):
+    """A greedy call that loops is sampled again from a stream seeded by its prompt: the same
+    call gets the same retry in two calls and beside another conversation (an evaluation of
+    greedy decoding repeats itself); another prompt gets another retry."""
+    path = save_tiny_agent_checkpoint(tmp_path / "ckpt")
+    policy = load_policy(str(path), max_new_tokens=40, loop_span=16)   # greedy, no seed
+    with torch.no_grad():
+        policy.model.norm.weight.zero_()         # every logit 0: greedy repeats token 0
+    policy.stop_token_ids = []
+    other = MESSAGES[:-1] + [{"role": "user", "content": "Something else entirely."}]
+    first, again = policy.complete(MESSAGES), policy.complete(MESSAGES)
+    beside = policy.complete_many([other, MESSAGES])
+    assert first.temperature == again.temperature == beside[1].temperature == 0.7
+    assert first.completion_ids == again.completion_ids == beside[1].completion_ids
+    assert beside[0].completion_ids != first.completion_ids
+
+
 def test_a_checkpoint_trained_with_mentions_says_so_and_others_do_not(tmp_path):
     import json
     path = save_tiny_agent_checkpoint(tmp_path / "ckpt")

@@ -41,6 +41,22 @@ def test_same_seed_same_tokens_other_seed_differs(model):
     assert a == b and a != c
 
 
+def test_row_seeds_give_a_row_the_draws_it_gets_alone(tmp_path):
+    """With `row_seeds` each row samples from a stream of its own, so its tokens do not depend
+    on the rows beside it (bf16: every row's logits are bitwise its own); one seed for the
+    batch shares its draws out in row order, and a row's tokens depend on its place."""
+    m = load_model(save_hf_checkpoint("qwen3_moe", tmp_path / "m"), dtype="bfloat16")
+    a, b, c = prompts(9, 9, 9, seed=3)
+    sp = dict(max_new_tokens=20, temperature=1.5)
+    alone = generate(m, [a], SamplingParams(row_seeds=[11], **sp))[0].tokens
+    pair = generate(m, [b, a], SamplingParams(row_seeds=[12, 11], **sp))
+    trio = generate(m, [c, b, a], SamplingParams(row_seeds=[13, 12, 11], **sp))
+    assert pair[1].tokens == alone == trio[2].tokens and pair[0].tokens == trio[1].tokens
+    assert generate(m, [b, a], SamplingParams(seed=11, **sp))[1].tokens != alone
+    with pytest.raises(ValueError, match="row seeds"):
+        generate(m, [a, b], SamplingParams(row_seeds=[1], **sp))
+
+
 def test_behaviour_logprob_is_under_the_filtered_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
     lp = _filter_logprobs(logits, SamplingParams(temperature=0.5, top_k=3))
