@@ -84,7 +84,8 @@ class RowDraws:
     def rand(self, n: int, device: torch.device | str) -> torch.Tensor:
         if n != len(self.rows):
             raise ValueError(f"{n} rows to sample but {len(self.rows)} row streams")
-        return torch.cat([torch.rand(1, generator=self.gens[b]) for b in self.rows]).to(device)
+        return torch.cat([torch.rand(1, generator=self.gens[b], device=self.gens[b].device)
+                          for b in self.rows]).to(device)
 
 
 def _uniform(gen: torch.Generator | RowDraws | None, n: int, device) -> torch.Tensor:
