@@ -683,16 +683,19 @@ void grouped_rows(const XRow* xp, const std::vector<const uint16_t*>& ws,
   });
 }
 
-// n bf16 values as x rows for the dot products: themselves (AVX512-BF16), else widened to
-// fp32 into buf
+// n bf16 values widened to fp32 (exactly) into buf
+inline const float* widened(const uint16_t* x, int64_t n, std::vector<float>& buf) {
+  buf.resize(n);
+  for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(x[i]);
+  return buf.data();
+}
+
+// n bf16 values as x rows for the dot products: themselves (AVX512-BF16), else widened
 inline const XRow* xrow_ptr(const uint16_t* x, int64_t n, std::vector<float>& buf) {
-  if constexpr (std::is_same<XRow, uint16_t>::value) {
+  if constexpr (std::is_same<XRow, uint16_t>::value)
     return reinterpret_cast<const XRow*>(x);
-  } else {
-    buf.resize(n);
-    for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(x[i]);
-    return reinterpret_cast<const XRow*>(buf.data());
-  }
+  else
+    return reinterpret_cast<const XRow*>(widened(x, n, buf));
 }
 
 // ---- int8 weight copies (`quantize`): y [M, N] = x [M, K] @ (q [N, K] * scale [N])^T (+ b) ---
@@ -911,11 +914,10 @@ at::Tensor moe_rows_i8(const at::Tensor& x, const at::Tensor& idx, const at::Ten
       ws.push_back(which == 0 ? gp + e * 2 * I * H : dp + e * H * I);
       ss.push_back(which == 0 ? gsp + e * 2 * I : dsp + e * H);
     }
-    const int64_t K = which == 0 ? H : I;
-    std::vector<float> xf(S * K);                 // x's rows widened to fp32, exactly
-    for (int64_t i = 0; i < S * K; ++i) xf[i] = bf16_to_float(xs[i]);
-    if (which == 0) grouped_rows_i8(xf.data(), ws, ss, start, count, S, 2 * I, H, y);
-    else grouped_rows_i8(xf.data(), ws, ss, start, count, S, H, I, y);
+    std::vector<float> buf;                        // x's rows in fp32
+    const float* xf = widened(xs, S * (which == 0 ? H : I), buf);
+    if (which == 0) grouped_rows_i8(xf, ws, ss, start, count, S, 2 * I, H, y);
+    else grouped_rows_i8(xf, ws, ss, start, count, S, H, I, y);
   });
   return out;
 }
@@ -1020,9 +1022,7 @@ void packed_scores(int64_t n, const uint16_t* x, const uint32_t* kp, int64_t N, 
   }
 }
 #endif
-}  // namespace
 
-namespace {
 // `attention_rows` on pointers: q [B, KV, G x T, D] (x rows), key (value) position s of row b,
 // kv head h at k + b * kb + h * kh + s * D (v likewise), the mask of (b, t) at m + (b * T + t)
 // * ms (or none), out [B, KV, G x T, D]
