@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from agent_runtime.model.model import UPCAST_CPU, KVCache, ModelOutput, MoEModel
+from agent_runtime.model.model import UPCAST_CPU, KVCache, ModelOutput, MoEModel, packed_weight
 
 log = logging.getLogger(__name__)
 ENV = "APPRENTICE_FAST_DECODE"
@@ -150,6 +150,26 @@ def supported(model: MoEModel) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
+def packed_weights(model: MoEModel) -> list[torch.Tensor]:
+    """The direct step's weights packed (`model.packed_weight`): per layer q/k/v in one, o, the
+    router, gate_up and down of all experts; then the output head. Empty where a weight is not
+    packed, or q and k are not whole blocks of 16 rows (so their packed copies cannot be
+    joined): the step then reads the weights as stored, with the same bits."""
+    out: list[torch.Tensor] = []
+    for block in model.layers:
+        att, moe = block.self_attn, block.mlp
+        projections = (att.q_proj, att.k_proj, att.v_proj)
+        if any(p.weight.shape[0] % 16 for p in projections[:2]):
+            return []
+        parts = [packed_weight(p.weight) for p in (*projections, att.o_proj, moe.gate)]
+        experts = moe.experts.packed()
+        if any(p is None for p in parts) or experts is None:
+            return []
+        out += [torch.cat(parts[:3]), parts[3], parts[4], *experts]
+    head = packed_weight(model.lm_head.weight)
+    return [] if head is None else out + [head]
+
+
 def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] | None:
     """step(tokens [B], cache) -> the `ModelOutput` of `model(tokens[:, None], cache=cache)`,
     or None when the C++ step is off, unavailable or does not cover `model`."""
@@ -188,6 +208,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
         biases += [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias, att.o_proj.bias]
     if quantized:
         quant += list(model.lm_head.q) if model.lm_head.q is not None else [None, None]
+    packed = [] if quantized or None in qkv[::2] else packed_weights(model)
     model._rope(torch.zeros(1, 1, dtype=torch.long), model.dtype)      # build the tables
     cos, sin = model._rope_table
     upcast = UPCAST_CPU
@@ -205,7 +226,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
             tokens, past, cache.valid, cos, sin, model.embed_tokens.weight, model.norm.weight,
             model.lm_head.weight, layers, biases, qkv, cache.k, cache.v, a.num_heads,
             a.num_kv_heads, a.head_dim, a.top_k, a.norm_topk_prob, upcast, a.rms_eps, a.scale,
-            cache.shared, cache.shared_from, quant, direct)
+            cache.shared, cache.shared_from, quant, direct, packed)
         cache.pos = past + 1
         return ModelOutput(logits=logits, routes=routes)
     return step

@@ -9,6 +9,7 @@ still gets gradient. Loading/saving lives in `checkpoint.py`, sampling in `gener
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,17 +148,23 @@ UPCAST_CPU = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "ZVECTOR"
 
 
 KERNEL_ROWS = 8  # CPU bf16 matmuls of at most this many rows (decode) run in csrc/decode.cpp
+PACKED = True  # ... and of any number of rows, where the extension packs weights (`packed_weight`)
 FUSED_EXPERTS = True  # ... and the routed experts of at most that many bf16 rows, in one call
 TRAIN_ATTENTION = True  # causal bf16 attention without a KV cache in C++ (`CausalAttention`)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           q: tuple[torch.Tensor, torch.Tensor] | None = None,
+           wp: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except on CPU in half precision. Matmuls of at most `KERNEL_ROWS` bf16 rows
     (decode steps) run in the C++ extension's few-row kernel, which reads the weights once for
     all rows without oneDNN's per-call setup (a one-row step of the default model 1.5x
     faster); the C++ decode step calls it too, so both agree bitwise (without a compiler,
-    F.linear). Matmuls over many rows (prefill) upcast to fp32 where CPUs lack native bf16
+    F.linear). Where the extension packs weights (AVX512-BF16 without AMX tiles), bf16
+    matmuls of any number of rows run on w's packed copy (`packed_weight`; `wp` when the
+    caller has it), with the few-row kernel's bits: a prefill computes every product as the
+    decode step does, so keys and values are the same bits however a prompt reached the
+    cache. Other matmuls over many rows (prefill) upcast to fp32 where CPUs lack native bf16
     FMA, which runs fp32 GEMMs several times faster, and the result (fp32 accumulation,
     rounded once) is what a bf16 GEMM computes anyway. `q`: w's int8 copy (int8 weight, scale;
     `quantize.quantize`), which matmuls of at most `KERNEL_ROWS` rows use instead (the C++
@@ -166,6 +173,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         from agent_runtime.model.quantize import int8_linear
         return int8_linear(x, q, b)
+    if PACKED and x.numel() > 0 and (ext := _inference_kernels(
+            x, w, *(() if b is None else (b,)))) is not None:
+        if wp is None:
+            wp = packed_weight(w)
+        if wp is not None:
+            return ext.packed_linear(x, wp, w.shape[0], b)
     if 0 < x.numel() <= KERNEL_ROWS * x.shape[-1] \
             and (ext := _inference_kernels(x, w)) is not None:
         return ext.rows_linear(x, w, b)
@@ -178,6 +191,30 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 def _extension():
     from agent_runtime.model.fast_decode import extension    # it imports this module
     return extension()
+
+
+_PACKED: dict[int, tuple[tuple, torch.Tensor]] = {}   # id(w) -> (w's version, its packed copy)
+
+
+def packed_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """w (bf16 on the CPU, [..., K], its rows flattened) in the layout of the extension's
+    `packed_linear`, made once per version of w (an in-place update, such as a delta applied
+    to a live policy, makes it again) and dropped with w; None where the extension does not
+    pack rows of w's width (not built, no AVX512-BF16, AMX tiles serving, K % 32 != 0)."""
+    if not PACKED or w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() < 2:
+        return None
+    ext = _extension()
+    if ext is None or not ext.packs(w.shape[-1]):
+        return None
+    key = (w._version, w.data_ptr(), tuple(w.shape))
+    kept = _PACKED.get(id(w))
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    if kept is None:
+        weakref.finalize(w, _PACKED.pop, id(w), None)
+    packed = ext.pack_weight(w.detach())
+    _PACKED[id(w)] = (key, packed)
+    return packed
 
 
 def _inference_kernels(*tensors: torch.Tensor):
@@ -331,9 +368,24 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down = nn.Parameter(torch.empty(E, H, I))
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """gate_up and down packed for `packed_linear` ([E * 2I, H] and [E * H, I], each
+        expert's rows a whole number of blocks of 16), or None (see `packed_weight`)."""
+        if self.gate_up.shape[1] % 16 or self.down.shape[1] % 16:
+            return None
+        gp, dp = packed_weight(self.gate_up), packed_weight(self.down)
+        return None if gp is None or dp is None else (gp, dp)
+
     def _one(self, x: torch.Tensor, e: int, q: tuple[torch.Tensor, ...] | None = None
              ) -> torch.Tensor:
         if q is None:
+            pk = None if torch.is_grad_enabled() and self.gate_up.requires_grad \
+                else self.packed()
+            if pk is not None:
+                g, d = pk[0].numel() // self.gate_up.shape[0], pk[1].numel() // self.down.shape[0]
+                return self._mlp(x, self.gate_up[e], self.down[e],
+                                 gate_up_p=pk[0][e * g:(e + 1) * g],
+                                 down_p=pk[1][e * d:(e + 1) * d])
             return self._mlp(x, self.gate_up[e], self.down[e])
         gq, gs, dq, ds = q                               # None: that weight has no copy
         return self._mlp(x, self.gate_up[e], self.down[e],
@@ -342,9 +394,11 @@ class Experts(nn.Module):
 
     @staticmethod
     def _mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-             gate_up_q: tuple | None = None, down_q: tuple | None = None) -> torch.Tensor:
-        g, u = linear(x, gate_up, q=gate_up_q).chunk(2, dim=-1)          # [n, I] each
-        return linear(F.silu(g) * u, down, q=down_q)                    # [n, H]
+             gate_up_q: tuple | None = None, down_q: tuple | None = None,
+             gate_up_p: torch.Tensor | None = None, down_p: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        g, u = linear(x, gate_up, q=gate_up_q, wp=gate_up_p).chunk(2, dim=-1)  # [n, I] each
+        return linear(F.silu(g) * u, down, q=down_q, wp=down_p)                # [n, H]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape                                                 # x [N, H]
@@ -361,11 +415,13 @@ class Experts(nn.Module):
             # decode: all chosen experts in one call, bitwise the loops below
             return ext.moe_rows(x, idx, w, self.gate_up, self.down)
         if N == 1:                                                       # decode: k small matmuls
-            out = None
-            for e, we in zip(idx.tolist()[0], w.tolist()[0]):
-                y = self._one(x, e, q) * we
-                out = y if out is None else out + y
-            return out
+            # summed as the lines below sum a row's experts (index_add_: in fp32 from +0, in
+            # ascending expert order, rounded once), so a token decoded alone gets the bits
+            # it gets in a prefill
+            out = torch.zeros(x.shape, dtype=torch.float32)
+            for e, we in sorted(zip(idx.tolist()[0], w.tolist()[0])):
+                out += (self._one(x, e, q) * we).float()
+            return out.to(x.dtype)
         flat = idx.reshape(-1)                                           # [N*k]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()

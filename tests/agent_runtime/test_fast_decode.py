@@ -14,6 +14,9 @@ from agent_runtime.model.prefix_cache import PrefixCache
 from tiny_checkpoints import VOCAB, save_hf_checkpoint
 
 COVERED = ("qwen3_moe", "mixtral")
+# shapes whose every weight the extension packs (widths % 32, rows % 16: `packed_weight`)
+PACKING = {"qwen3_moe": dict(hidden_size=64, head_dim=32, moe_intermediate_size=32),
+           "mixtral": dict(hidden_size=64, intermediate_size=32)}
 NOT_COVERED = {"qwen2_moe": "dense MLP layers", "olmoe": "full-width q/k norm",
                "granitemoe": "router topk_softmax"}
 
@@ -61,16 +64,20 @@ def _check_steps(monkeypatch, model, direct="1"):
 
 
 @pytest.mark.parametrize("direct", ["1", "0"])
-@pytest.mark.parametrize("family", COVERED + ("qwen3_moe+bias",))
+@pytest.mark.parametrize("family", COVERED + ("qwen3_moe+bias", "qwen3_moe+packed",
+                                              "mixtral+packed"))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_cpp_step_is_bitwise_the_python_step(built, monkeypatch, tmp_path, family, dtype,
                                                  direct):
     """Both ways the C++ step runs: on pointers (`decode_direct`, bf16 without biases; the
-    others fall back) and through tensor operations (APPRENTICE_DECODE_DIRECT=0)."""
-    over = {"attention_bias": True} if family.endswith("+bias") else {}   # q, k, v, o biases
-    model = load_model(save_hf_checkpoint(family.split("+")[0], tmp_path / "m", **over),
-                       dtype=dtype)
-    assert model.layers[0].self_attn.q_proj.bias is not None or not over
+    others fall back) and through tensor operations (APPRENTICE_DECODE_DIRECT=0); "+packed":
+    a shape whose weights the extension packs, so the direct step reads them packed."""
+    name, _, variant = family.partition("+")
+    over = {"bias": {"attention_bias": True}, "packed": PACKING.get(name, {})}.get(variant, {})
+    model = load_model(save_hf_checkpoint(name, tmp_path / "m", **over), dtype=dtype)
+    assert model.layers[0].self_attn.q_proj.bias is not None or variant != "bias"
+    if variant == "packed" and dtype == "bfloat16" and fast_decode.extension().packs(64):
+        assert len(fast_decode.packed_weights(model)) == 5 * len(model.layers) + 1
     _check_steps(monkeypatch, model, direct)
 
 
@@ -326,6 +333,72 @@ def test_rows_linear_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, widt
     b = torch.randn(37, generator=g).bfloat16()
     x = torch.randn(8, width, generator=g).bfloat16()
     _check_rows(lambda xs: ext.rows_linear(xs, w, b), w.double(), x, b)
+
+
+@pytest.mark.parametrize("width", [32, 64, 256])
+@pytest.mark.parametrize("outputs", [8, 37, 160])
+def test_packed_linear_has_rows_linears_bits_for_any_number_of_rows(built, width, outputs):
+    """`packed_linear` on a packed weight: each row's outputs bitwise `rows_linear`'s for that
+    row, with and without a bias, for 1 to 200 rows and outputs that are not whole blocks of
+    16; `linear` takes it for bf16 matmuls of any size without a gradient."""
+    from agent_runtime.model.model import linear, packed_weight
+    ext = fast_decode.extension()
+    if not ext.packs(width):
+        pytest.skip("this build does not pack weights (no AVX512-BF16, or AMX tiles serve)")
+    g = torch.Generator().manual_seed(width + outputs)
+    w = torch.randn(outputs, width, generator=g).bfloat16()
+    b = torch.randn(outputs, generator=g).bfloat16()
+    x = torch.randn(200, width, generator=g).bfloat16()
+    wp = ext.pack_weight(w)
+    ref = torch.cat([ext.rows_linear(x[i:i + 8], w, b) for i in range(0, 200, 8)])
+    plain = torch.cat([ext.rows_linear(x[i:i + 8], w, None) for i in range(0, 200, 8)])
+    for rows in (1, 3, 8, 9, 17, 200):
+        assert torch.equal(ext.packed_linear(x[:rows], wp, outputs, b).view(torch.int16),
+                           ref[:rows].view(torch.int16)), rows
+        assert torch.equal(ext.packed_linear(x[:rows], wp, outputs).view(torch.int16),
+                           plain[:rows].view(torch.int16)), rows
+    assert packed_weight(w) is packed_weight(w)                # made once per version
+    assert torch.equal(linear(x, w, b).view(torch.int16), ref.view(torch.int16))
+    with torch.no_grad():
+        w.mul_(2)                                              # an in-place update repacks
+    assert torch.equal(linear(x[:5], w).view(torch.int16),
+                       ext.rows_linear(x[:5], w, None).view(torch.int16))
+
+
+def test_keys_and_values_are_the_same_bits_decoded_or_prefilled(built, tmp_path):
+    """Where weights are packed, a prefill computes every product as the decode step does:
+    the keys and values a decode step wrote for its tokens are bitwise those a prefill of the
+    same tokens writes, alone or in pieces of any size (experts then get fewer or more than 8
+    rows). So a prompt gets the same logits whether its start came from the prefix cache
+    after decoding or was prefilled."""
+    name = "qwen3_moe"
+    ext = fast_decode.extension()
+    if not ext.packs(64):
+        pytest.skip("this build does not pack weights (no AVX512-BF16, or AMX tiles serve)")
+    model = load_model(save_hf_checkpoint(name, tmp_path / "m", **PACKING[name]),
+                       dtype="bfloat16")
+    prompt, n = _prompts(30)[0], 24
+    step = fast_decode.stepper(model)
+    cache = model.new_cache(1, 30 + n)
+    with torch.no_grad():
+        tok = model(torch.tensor([prompt]), cache=cache).logits[:, -1].argmax(-1)
+        tokens = []
+        for _ in range(n):
+            tokens.append(int(tok))
+            tok = step(tok, cache).logits[:, -1].argmax(-1)
+    ids = prompt + tokens
+    for pieces in ([len(ids)], [7, 8, 11, 41, len(ids)], [30, 31, len(ids)]):   # their ends
+        fresh = model.new_cache(1, len(ids))
+        with torch.no_grad():
+            start = 0
+            for end in pieces:
+                model(torch.tensor([ids[start:end]]), cache=fresh)
+                start = end
+        for layer in range(len(model.layers)):
+            for mine, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
+                assert torch.equal(mine[layer][..., :len(ids), :].view(torch.int16),
+                                   theirs[layer][..., :len(ids), :].view(torch.int16)), \
+                    (pieces, layer)
 
 
 def _check_rows(product, weight, x, b):

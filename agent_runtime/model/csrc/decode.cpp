@@ -683,6 +683,133 @@ void grouped_rows(const XRow* xp, const std::vector<const uint16_t*>& ws,
   });
 }
 
+// ---- packed weights: the same products for any number of rows, without horizontal sums ----
+// A weight packed by `pack_weight` (for each block of 16 of its rows and each of its K / 2
+// pairs of bf16, the 16 rows' pairs side by side, in the order the kernel reads them) is read
+// 16 outputs a register: lane j of accumulator l takes pair l of each block of 32 of x and of
+// w's row j, in increasing blocks, as lane l of `dot_rows`' accumulator does for row j (the
+// same instruction on the same pairs), and the 16 accumulators are added by `lane_sum`'s
+// tree, lane by lane. So every output has `rows_linear`'s bits, for any number of rows, while
+// the sums across a register's lanes that cost `dot_rows` about as much as the products at
+// K = 256 are gone, and a weight block (16 rows) serves 8 rows of x from cache. A prefill
+// through it computes each product as a decode step does (`model.linear`). CPUs with AMX
+// tiles keep their tiles (`packs`).
+#if defined(__AVX512BF16__)
+// Keys as `packed_scores` reads them: for each block of 16 keys and each of the D / 2 pairs of
+// bf16 (k = 2i, 2i + 1), the 16 keys' pairs side by side (keys past S zero):
+// out[(block * D / 2 + i) * 16 + j] is key 16 * block + j's pair i.
+void pack_keys(const uint16_t* k, int64_t S, int64_t D, uint32_t* out) {
+  const int64_t P = D / 2;
+  for (int64_t b = 0; b < (S + 15) / 16; ++b)
+    for (int64_t i = 0; i < P; ++i)
+      for (int64_t j = 0; j < 16; ++j) {
+        uint32_t pair = 0;
+        if (16 * b + j < S) std::memcpy(&pair, k + (16 * b + j) * D + 2 * i, sizeof pair);
+        out[(b * P + i) * 16 + j] = pair;
+      }
+}
+
+
+// A weight w [N, K] (K % 32 == 0) as `packed_block` reads it, in the order it reads it: for
+// each block of 16 rows, for l = 0..7 and each block c of 32 columns, the 16 rows' pair
+// 16c + l, then their pair 16c + l + 8 (rows past N zero), each 16 pairs side by side:
+// out[((b * 8 + l) * C + c) * 2 + h) * 16 + j] is row 16b + j's pair 16c + l + 8h (C = K / 32).
+void pack_weight_rows(const uint16_t* w, int64_t N, int64_t K, uint32_t* out) {
+  const int64_t C = K / 32;
+  for (int64_t b = 0; b < (N + 15) / 16; ++b)
+    for (int64_t l = 0; l < 8; ++l)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t j = 0; j < 16; ++j) {
+            uint32_t pair = 0;
+            if (16 * b + j < N)
+              std::memcpy(&pair, w + (16 * b + j) * K + 2 * (16 * c + l + 8 * h), sizeof pair);
+            *out++ = pair;
+          }
+}
+
+// y [MT, N] (rows of stride N, outputs n0..n0 + width of block kb) from x [MT, K] (K % 32 == 0)
+template <int MT>
+inline void packed_block(const uint16_t* x, int64_t K, const uint32_t* kb, int64_t n0,
+                         int64_t width, const float* bias, at::BFloat16* y, int64_t N) {
+  const int64_t C = K / 32;
+  __m512 s8[8][MT];
+  for (int l = 0; l < 8; ++l) {          // accumulators l and l + 8, added at once (the tree's
+    __m512 a[MT], b[MT];                 // first level)
+    for (int r = 0; r < MT; ++r) a[r] = b[r] = _mm512_setzero_ps();
+    const uint32_t* wl = kb + l * C * 32;     // this pass's weights, in one stream
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512bh wa = (__m512bh)_mm512_loadu_si512(wl + c * 32);
+      const __m512bh wb = (__m512bh)_mm512_loadu_si512(wl + c * 32 + 16);
+      for (int r = 0; r < MT; ++r) {
+        const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + r * K) + 16 * c;
+        a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[l])), wa);
+        b[r] = _mm512_dpbf16_ps(b[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[l + 8])),
+                                wb);
+      }
+    }
+    for (int r = 0; r < MT; ++r) s8[l][r] = _mm512_add_ps(a[r], b[r]);
+  }
+  const __mmask16 mask = width == 16 ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < MT; ++r) {
+    __m512 s4[4];
+    for (int l = 0; l < 4; ++l) s4[l] = _mm512_add_ps(s8[l][r], s8[l + 4][r]);
+    __m512 t = _mm512_add_ps(_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3]));
+    if (bias) t = _mm512_add_ps(t, bv);   // as `store_rows`: the bias on the sum, one rounding
+    _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(y + r * N + n0), mask, bf16_round(t));
+  }
+}
+
+// outputs begin..end (multiples of 16, or end = N) of y [M, N] = x [M, K] @ w^T (+ b), w
+// packed (`wp`), on the calling thread: 8 rows of x at a time through each block of w
+void packed_range(int64_t M, const uint16_t* x, const uint32_t* wp, int64_t N, int64_t K,
+                  const float* bias, at::BFloat16* y, int64_t begin, int64_t end) {
+  for (int64_t n0 = begin; n0 < end; n0 += 16) {
+    const uint32_t* kb = wp + n0 * K / 2;
+    const int64_t width = std::min<int64_t>(16, N - n0);
+    int64_t r = 0;
+    for (; r + kRows <= M; r += kRows)
+      packed_block<kRows>(x + r * K, K, kb, n0, width, bias, y + r * N, N);
+    if (r < M)
+      with_rows(M - r, [&](auto m) {
+        packed_block<decltype(m)::value>(x + r * K, K, kb, n0, width, bias, y + r * N, N);
+      });
+  }
+}
+
+// y = x @ w^T (+ b) for M rows with w packed, both cores over blocks of 16 outputs
+void packed_kernel(int64_t M, const uint16_t* x, const uint32_t* wp, int64_t N, int64_t K,
+                   const float* bias, at::BFloat16* y) {
+  const int64_t blocks = (N + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, kGrainMacs / (16 * K * std::min(M, kRows)));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    packed_range(M, x, wp, N, K, bias, y, 16 * begin, std::min(N, 16 * end));
+  });
+}
+
+// `grouped_rows` with packed weights (ws[g] group g's packed matrix)
+void grouped_packed(const uint16_t* xp, const std::vector<const uint32_t*>& ws,
+                    const std::vector<int64_t>& start, const std::vector<int64_t>& count,
+                    int64_t rows, int64_t N, int64_t K, at::BFloat16* yp) {
+  grouped_jobs(static_cast<int64_t>(ws.size()), rows, N, K, 16,
+               [&](int64_t g, int64_t lo, int64_t hi) {
+    packed_range(count[g], xp + start[g] * K, ws[g], N, K, nullptr, yp + start[g] * N, lo, hi);
+  });
+}
+#endif
+
+// Whether weights of width K are packed (`pack_weight`, `packed_linear`): AVX512-BF16 builds,
+// K % 32 == 0, and not where AMX tiles serve `rows_linear` (their sums run in another order)
+bool packs(int64_t K) {
+#if defined(__AVX512BF16__)
+  return K % 32 == 0 && K > 0 && !use_amx(K);
+#else
+  (void)K;
+  return false;
+#endif
+}
+
 // n bf16 values widened to fp32 (exactly) into buf
 inline const float* widened(const uint16_t* x, int64_t n, std::vector<float>& buf) {
   buf.resize(n);
@@ -763,9 +890,9 @@ void grouped_rows_i8(const float* xp, const std::vector<const int8_t*>& ws,
 // about six per chosen expert. Bitwise what `Experts.forward` computes expert by expert with
 // `rows_linear`: the same dot products (their bits depend only on the row and the weight
 // row), `silu(g) * u` by the same ATen operations on rows of the same shape, each product
-// with its gate weight rounded to bf16, and the sum in the same order and rounding (one row:
-// in top-k order, rounded after each addition; several rows: in fp32 from +0 in ascending
-// expert order, rounded once, as `index_add_` adds them).
+// with its gate weight rounded to bf16, and the sum in the same order and rounding (in fp32
+// from +0 in ascending expert order, rounded once, as `index_add_` adds them; one row too, so
+// a token decoded alone gets its prefill's bits).
 namespace {
 // The body of `moe_rows` (and of `moe_rows_i8`) on pointers: x [M, H] bf16, id [M, k] the
 // experts, wp [M, k] their weights, out [M, H]. `products(xs, S, experts, start, count, which,
@@ -809,40 +936,38 @@ void moe_raw(const uint16_t* x, int64_t M, int64_t H, const int64_t* id, int64_t
   std::vector<at::BFloat16> ys(S * H);
   products(reinterpret_cast<const uint16_t*>(h.data()), S, experts, start, count, 1, ys.data());
   const at::BFloat16* yp = ys.data();
-  if (M == 1) {
-    std::vector<int64_t> pos(S);                   // slot j's row of ys
-    for (int64_t p = 0; p < S; ++p) pos[order[p]] = p;
-    for (int64_t j = 0; j < k; ++j) {
-      const float g = static_cast<float>(wp[j]);
-      const at::BFloat16* y = yp + pos[j] * H;
-      for (int64_t c = 0; c < H; ++c) {
-        const at::BFloat16 v(static_cast<float>(y[c]) * g);
-        op[c] = j == 0 ? v : at::BFloat16(static_cast<float>(op[c]) + static_cast<float>(v));
-      }
-    }
-  } else {
-    std::vector<float> acc(M * H, 0.0f);           // index_add_ sums in fp32, rounds once
-    for (int64_t p = 0; p < S; ++p) {
-      const int64_t s = order[p], m = s / k;
-      const float g = static_cast<float>(wp[s]);
-      const at::BFloat16* y = yp + p * H;
-      float* a = acc.data() + m * H;
-      for (int64_t c = 0; c < H; ++c)
-        a[c] += static_cast<float>(at::BFloat16(static_cast<float>(y[c]) * g));
-    }
-    for (int64_t i = 0; i < M * H; ++i) op[i] = at::BFloat16(acc[i]);
+  std::vector<float> acc(M * H, 0.0f);             // index_add_ sums in fp32, rounds once
+  for (int64_t p = 0; p < S; ++p) {
+    const int64_t s = order[p], m = s / k;
+    const float g = static_cast<float>(wp[s]);
+    const at::BFloat16* y = yp + p * H;
+    float* a = acc.data() + m * H;
+    for (int64_t c = 0; c < H; ++c)
+      a[c] += static_cast<float>(at::BFloat16(static_cast<float>(y[c]) * g));
   }
+  for (int64_t i = 0; i < M * H; ++i) op[i] = at::BFloat16(acc[i]);
 }
 
-// `moe_raw` with bf16 experts (gate_up [E, 2I, H], down [E, H, I] as stored)
+// `moe_raw` with bf16 experts (gate_up [E, 2I, H], down [E, H, I] as stored; or packed by
+// `pack_weight` as [E * 2I, H] and [E * H, I], gpk and dpk, when 2I and H are multiples of 16)
 void moe_bf16(const uint16_t* x, int64_t M, int64_t H, const int64_t* id, int64_t k,
               const at::BFloat16* wp, const uint16_t* gup, const uint16_t* dp, int64_t E,
-              int64_t I, at::BFloat16* op) {
+              int64_t I, at::BFloat16* op, const uint32_t* gpk = nullptr,
+              const uint32_t* dpk = nullptr) {
   moe_raw(x, M, H, id, k, wp, E, I, op, [&](const uint16_t* xs, int64_t S,
                                             const std::vector<int64_t>& experts,
                                             const std::vector<int64_t>& start,
                                             const std::vector<int64_t>& count, int which,
                                             at::BFloat16* y) {
+#if defined(__AVX512BF16__)
+    if (gpk && dpk) {
+      std::vector<const uint32_t*> ws;
+      for (int64_t e : experts) ws.push_back(which == 0 ? gpk + e * I * H : dpk + e * H * I / 2);
+      if (which == 0) grouped_packed(xs, ws, start, count, S, 2 * I, H, y);
+      else grouped_packed(xs, ws, start, count, S, H, I, y);
+      return;
+    }
+#endif
     std::vector<const uint16_t*> ws;
     for (int64_t e : experts) ws.push_back(which == 0 ? gup + e * 2 * I * H : dp + e * H * I);
     std::vector<float> buf;
@@ -974,22 +1099,46 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
-namespace {
+// w [..., K] (bf16, rows flattened) in `packed_linear`'s layout: int32 [ceil(N / 16) * 16 * K / 2]
+at::Tensor pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() >= 2 && packs(w.size(-1)),
+              "pack_weight: bf16 rows of a width this build packs (`packs`)");
+  const int64_t K = w.size(-1), N = w.numel() / K;
+  auto wc = w.contiguous();
+  auto out = at::empty({(N + 15) / 16 * 16 * K / 2}, w.options().dtype(at::kInt));
 #if defined(__AVX512BF16__)
-// Keys as `packed_scores` reads them: for each block of 16 keys and each of the D / 2 pairs of
-// bf16 (k = 2i, 2i + 1), the 16 keys' pairs side by side (keys past S zero):
-// out[(block * D / 2 + i) * 16 + j] is key 16 * block + j's pair i.
-void pack_keys(const uint16_t* k, int64_t S, int64_t D, uint32_t* out) {
-  const int64_t P = D / 2;
-  for (int64_t b = 0; b < (S + 15) / 16; ++b)
-    for (int64_t i = 0; i < P; ++i)
-      for (int64_t j = 0; j < 16; ++j) {
-        uint32_t pair = 0;
-        if (16 * b + j < S) std::memcpy(&pair, k + (16 * b + j) * D + 2 * i, sizeof pair);
-        out[(b * P + i) * 16 + j] = pair;
-      }
+  pack_weight_rows(reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, K,
+                   reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()));
+#endif
+  return out;
 }
 
+// x [..., K] bf16, any number of rows; wp: `pack_weight` of w [N, K]; b [N] or None. Bitwise
+// `rows_linear(x, w, b)` row by row.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N,
+                         const c10::optional<at::Tensor>& b) {
+  RECORD_FUNCTION("apprentice::packed_linear", std::vector<c10::IValue>({x, wp}));
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packs(K) && wp.scalar_type() == at::kInt &&
+              wp.is_contiguous() && wp.numel() == (N + 15) / 16 * 16 * K / 2,
+              "packed_linear: bf16 x and a weight packed by pack_weight for ", N, " outputs");
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options());
+  if (M == 0) return y;
+  at::Tensor bf;
+  if (b.has_value() && b->defined()) bf = b->to(at::kFloat).contiguous();
+#if defined(__AVX512BF16__)
+  auto xc = x.reshape({M, K}).contiguous();
+  packed_kernel(M, reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint32_t*>(wp.data_ptr<int32_t>()), N, K,
+                bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>());
+#endif
+  return y;
+}
+
+namespace {
+#if defined(__AVX512BF16__)
 // scores y [n, N] (row stride N) of n query rows x [n, D] (bf16, D % 32 == 0) against keys
 // 0..N packed by `pack_keys`, 16 keys a register: lane j of accumulator l takes pair l of each
 // block of 32 of x and of key j, in increasing blocks, as lane l of `dot_rows`' accumulator
@@ -1455,17 +1604,17 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
   int64_t N = idx.size(0), k = idx.size(1);
   const ExpertsQ none;
   const ExpertsQ& q = N <= kRows ? quant : none;   // the copies serve decode steps' rows
-  if (N == 1) {
+  if (N == 1) {     // in fp32 from +0 in ascending expert order, rounded once (index_add_'s)
     auto ids = idx.accessor<int64_t, 2>();
     auto wf = w.to(at::kDouble).contiguous();   // Tensor.tolist() gives Python floats (doubles)
     auto ws = wf.accessor<double, 2>();
-    at::Tensor out;
-    for (int64_t j = 0; j < k; ++j) {
-      int64_t e = ids[0][j];
-      auto y = expert(x, gate_up[e], down[e], s, q, e) * ws[0][j];
-      out = j == 0 ? y : out + y;
-    }
-    return out;
+    std::vector<std::pair<int64_t, double>> chosen;
+    for (int64_t j = 0; j < k; ++j) chosen.emplace_back(ids[0][j], ws[0][j]);
+    std::sort(chosen.begin(), chosen.end());
+    auto out = at::zeros(x.sizes(), x.options().dtype(at::kFloat));
+    for (const auto& [e, we] : chosen)
+      out += (expert(x, gate_up[e], down[e], s, q, e) * we).to(at::kFloat);
+    return out.to(x.scalar_type());
   }
   auto flat = idx.reshape(-1);
   auto order = at::argsort(flat, true, 0, false);
@@ -1503,7 +1652,7 @@ std::vector<at::Tensor> decode_direct(
     const std::vector<c10::optional<at::Tensor>>& qkv, const std::vector<at::Tensor>& k_cache,
     const std::vector<at::Tensor>& v_cache, int64_t heads, int64_t kv_heads, int64_t D,
     int64_t top_k, bool norm_topk, double eps, double scale, int64_t shared,
-    const c10::optional<at::Tensor>& shared_from) {
+    const c10::optional<at::Tensor>& shared_from, const std::vector<at::Tensor>& packed) {
   const int64_t B = tokens.size(0), L = static_cast<int64_t>(k_cache.size());
   const int64_t H = embed.size(1), V = lm_head.size(0), G = heads / kv_heads;
   const int64_t NQ = heads * D, NK = kv_heads * D, NH = heads + kv_heads;
@@ -1541,6 +1690,28 @@ std::vector<at::Tensor> decode_direct(
   auto u16 = [](const at::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
   };
+  // the weights packed (`pack_weight`), 5 a layer (q/k/v, o, router, gate_up, down) and the
+  // output head's: used when every one is there in the expected size, else none
+  auto packed_size = [](int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K / 2; };
+  bool use_packed = static_cast<int64_t>(packed.size()) == 5 * L + 1 && packs(H) &&
+                    packs(NQ) && packs(I) && (2 * I) % 16 == 0 && H % 16 == 0;
+  for (int64_t l = 0; use_packed && l < L; ++l) {
+    const int64_t want[5] = {packed_size(NQ + 2 * NK, H), packed_size(H, NQ),
+                             packed_size(E, H), packed_size(E * 2 * I, H),
+                             packed_size(E * H, I)};
+    for (int j = 0; j < 5 && use_packed; ++j) {
+      const at::Tensor& t = packed[5 * l + j];
+      use_packed = t.defined() && t.scalar_type() == at::kInt && t.is_contiguous() &&
+                   t.numel() == want[j];
+    }
+  }
+  use_packed = use_packed && packed[5 * L].defined() &&
+               packed[5 * L].scalar_type() == at::kInt && packed[5 * L].is_contiguous() &&
+               packed[5 * L].numel() == packed_size(V, H);
+  auto u32 = [&](int64_t i) {
+    return use_packed ? reinterpret_cast<const uint32_t*>(packed[i].data_ptr<int32_t>())
+                      : nullptr;
+  };
   auto raw = [](const std::vector<at::BFloat16>& b) {
     return reinterpret_cast<const uint16_t*>(b.data());
   };
@@ -1572,8 +1743,12 @@ std::vector<at::Tensor> decode_direct(
     std::memcpy(x.data() + b * H, embed.data_ptr<at::BFloat16>() + tp[b] * H, H * 2);
   }
   std::vector<float> xbuf;
-  auto matmul = [&](const std::vector<at::BFloat16>& in, const at::Tensor& w, at::BFloat16* out) {
+  auto matmul = [&](const std::vector<at::BFloat16>& in, const at::Tensor& w, at::BFloat16* out,
+                    const uint32_t* wq) {
     const int64_t N = w.size(0), K = w.size(1);
+#if defined(__AVX512BF16__)
+    if (wq) return packed_kernel(B, raw(in), wq, N, K, nullptr, out);
+#endif
     const XRow* xr = xrow_ptr(raw(in), B * K, xbuf);
     with_rows(B, [&](auto m) { rows_kernel<decltype(m)::value>(xr, u16(w), N, K, nullptr, out); });
   };
@@ -1594,7 +1769,7 @@ std::vector<at::Tensor> decode_direct(
     const c10::optional<at::Tensor>* p = &layers[10 * l];
     const at::Tensor &kc = k_cache[l], &vc = v_cache[l];
     rms_rows(raw(x), B, H, u16(*p[0]), 1, e, h.data());
-    matmul(h, *qkv[2 * l], qkvo.data());
+    matmul(h, *qkv[2 * l], qkvo.data(), u32(5 * l));
     for (int64_t b = 0; b < B; ++b)                 // q and k of each row: [NH, D]
       std::memcpy(qk.data() + b * NH * D, qkvo.data() + b * (NQ + 2 * NK), NH * D * 2);
     const uint16_t* qkr = raw(qk);
@@ -1625,10 +1800,10 @@ std::vector<at::Tensor> decode_direct(
                      shared, from.data(), att.data())))
       attention_raw(qx, B, kv_heads, G, 1, D, past + 1, kp, kb, kh, vcp, vb, vh, mp, vs, false,
                     sc, att.data());
-    matmul(att, *p[4], o.data());
+    matmul(att, *p[4], o.data(), u32(5 * l + 1));
     add(o);
     rms_rows(raw(x), B, H, u16(*p[6]), 1, e, h.data());
-    matmul(h, *p[7], gate.data());
+    matmul(h, *p[7], gate.data(), u32(5 * l + 2));
     for (int64_t i = 0; i < B * E; ++i) gatef[i] = static_cast<float>(gate[i]);
     const auto top = at::from_blob(gatef.data(), {B, E}, at::kFloat).softmax(-1).topk(top_k, -1);
     const auto idx = std::get<1>(top).contiguous();
@@ -1646,7 +1821,7 @@ std::vector<at::Tensor> decode_direct(
                 wbf.begin());
     }
     moe_bf16(raw(h), B, H, idx.data_ptr<int64_t>(), top_k, wbf.data(), u16(*p[8]), u16(*p[9]),
-             E, I, y.data());
+             E, I, y.data(), u32(5 * l + 3), u32(5 * l + 4));
     add(y);
     for (int64_t b = 0; b < B; ++b)
       std::copy(idx.data_ptr<int64_t>() + b * top_k, idx.data_ptr<int64_t>() + (b + 1) * top_k,
@@ -1654,7 +1829,7 @@ std::vector<at::Tensor> decode_direct(
   }
   rms_rows(raw(x), B, H, u16(final_norm), 1, e, h.data());
   auto logits = at::empty({B, 1, V}, lm_head.options());
-  matmul(h, lm_head, logits.data_ptr<at::BFloat16>());
+  matmul(h, lm_head, logits.data_ptr<at::BFloat16>(), u32(5 * L));
   return {logits, routes};
 }
 
@@ -1668,7 +1843,9 @@ std::vector<at::Tensor> decode_direct(
 // layer [B, kv, max_len, D]; shared, shared_from: columns every row holds the same, from its
 // column shared_from[b] on (`KVCache.share`; 0 and None when unknown); quant: empty, or the
 // int8 copies (`quantize`) as (weight, scale) pairs, 6 per layer (q, k, v, o, gate_up, down;
-// None: that layer's full weight), then the output head's pair. Returns (logits
+// None: that layer's full weight), then the output head's pair; packed: empty, or the bf16
+// weights packed by `pack_weight` for the direct step, 5 per layer (q/k/v as in qkv, o, the
+// router, gate_up and down of all experts), then the output head's. Returns (logits
 // [B, 1, V], routes [B, 1, L, k]).
 std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::Tensor valid,
                                     const at::Tensor& cos_table, const at::Tensor& sin_table,
@@ -1683,12 +1860,12 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
                                     bool norm_topk, bool upcast, double eps, double scale,
                                     int64_t shared, const c10::optional<at::Tensor>& shared_from,
                                     const std::vector<c10::optional<at::Tensor>>& quant,
-                                    bool direct) {
+                                    bool direct, const std::vector<at::Tensor>& packed) {
   at::NoGradGuard no_grad;
   if (direct && quant.empty()) {
     auto out = decode_direct(tokens, past, valid, cos_table, sin_table, embed, final_norm,
                              lm_head, layers, biases, qkv, k_cache, v_cache, heads, kv_heads,
-                             head_dim, top_k, norm_topk, eps, scale, shared, shared_from);
+                             head_dim, top_k, norm_topk, eps, scale, shared, shared_from, packed);
     if (!out.empty()) return out;
   }
   const Shape s{heads, kv_heads, head_dim, top_k, norm_topk, upcast, eps, scale};
@@ -2262,6 +2439,10 @@ bool has_amx() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "one decode step of MoEModel");
   m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
+  m.def("packs", &packs, "whether weights of this width are packed (AVX512-BF16, no AMX)");
+  m.def("pack_weight", &pack_weight, "bf16 weight rows in packed_linear's layout");
+  m.def("packed_linear", &packed_linear, "x @ w.T (+ b), w packed: rows_linear's bits, any rows",
+        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("b") = py::none());
   m.def("moe_rows", &moe_rows, "the routed experts of at most 8 rows of bf16");
   m.def("moe_rows_i8", &moe_rows_i8, "the routed experts of at most 8 rows, int8 copies");
   m.def("int8_rows", &int8_rows, "x @ (q * scale).T (+ b) for at most 8 rows of bf16, q int8");
