@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from agent_runtime.model.model import UPCAST_CPU, KVCache, ModelOutput, MoEModel, packed_weight
+from agent_runtime.model.model import (PACKED_WIDTH, UPCAST_CPU, KVCache, ModelOutput, MoEModel,
+                                       packed_weight)
 
 log = logging.getLogger(__name__)
 ENV = "APPRENTICE_FAST_DECODE"
@@ -155,6 +156,9 @@ def packed_weights(model: MoEModel) -> list[torch.Tensor]:
     router, gate_up and down of all experts; then the output head. Empty where a weight is not
     packed, or q and k are not whole blocks of 16 rows (so their packed copies cannot be
     joined): the step then reads the weights as stored, with the same bits."""
+    a = model.args
+    if max(a.hidden_size, a.num_heads * a.head_dim, a.expert_size) > PACKED_WIDTH:
+        return []                      # a step's few rows read wider weights faster unpacked
     out: list[torch.Tensor] = []
     for block in model.layers:
         att, moe = block.self_attn, block.mlp

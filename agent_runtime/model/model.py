@@ -149,6 +149,8 @@ UPCAST_CPU = torch.backends.cpu.get_cpu_capability() not in ("AVX512", "ZVECTOR"
 
 KERNEL_ROWS = 8  # CPU bf16 matmuls of at most this many rows (decode) run in csrc/decode.cpp
 PACKED = True  # ... and of any number of rows, where the extension packs weights (`packed_weight`)
+PACKED_WIDTH = 1024  # ... except a few rows over wider weights, which stream faster unpacked
+# (2 rows over 896 x 4864 from memory: 283 us against 364; the same bits either way)
 FUSED_EXPERTS = True  # ... and the routed experts of at most that many bf16 rows, in one call
 TRAIN_ATTENTION = True  # causal bf16 attention without a KV cache in C++ (`CausalAttention`)
 
@@ -173,14 +175,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         from agent_runtime.model.quantize import int8_linear
         return int8_linear(x, q, b)
-    if PACKED and x.numel() > 0 and (ext := _inference_kernels(
-            x, w, *(() if b is None else (b,)))) is not None:
+    few = 0 < x.numel() <= KERNEL_ROWS * x.shape[-1]
+    if PACKED and x.numel() > 0 and not (few and x.shape[-1] > PACKED_WIDTH) \
+            and (ext := _inference_kernels(x, w, *(() if b is None else (b,)))) is not None:
         if wp is None:
             wp = packed_weight(w)
         if wp is not None:
             return ext.packed_linear(x, wp, w.shape[0], b)
-    if 0 < x.numel() <= KERNEL_ROWS * x.shape[-1] \
-            and (ext := _inference_kernels(x, w)) is not None:
+    if few and (ext := _inference_kernels(x, w)) is not None:
         return ext.rows_linear(x, w, b)
     if UPCAST_CPU and w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" \
             and x.numel() >= UPCAST_ROWS * x.shape[-1]:
