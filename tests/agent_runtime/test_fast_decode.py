@@ -211,6 +211,46 @@ def test_decode_attention_is_attention_and_a_row_alone_is_a_row_in_a_batch(built
         assert torch.equal(alone.view(torch.int16), out[b:b + 1].view(torch.int16))
 
 
+@pytest.mark.parametrize("pad,gap,dim", [(13, 0, 64), (0, 5, 64), (7, 23, 32), (16, 16, 64),
+                                         (3, 40, 128)])
+@pytest.mark.parametrize("new", [1, 20])
+def test_attention_gives_a_row_the_same_bits_wherever_padding_puts_its_keys(
+        built, pad, gap, dim, new):
+    """A batch lays a row out as [pad | cached prefix | pad | new tokens]: the row's keys and
+    values, seen through the mask, give the bits they give laid out alone from column 0 (the
+    softmax's sum counts the seen columns, not their places), in a decode step and in a
+    prefill (causal over the new tokens), so a call's logits do not depend on its batch."""
+    ext = fast_decode.extension()
+    g = torch.Generator().manual_seed(pad * 100 + gap + new)
+    kv, group, prefix, scale = 2, 2, 90, dim ** -0.5
+    S = prefix + new
+    q = torch.randn(1, kv, group, new, dim, generator=g).bfloat16()
+    k = torch.randn(1, kv, S, dim, generator=g).bfloat16()
+    v = torch.randn(1, kv, S, dim, generator=g).bfloat16()
+    cols = torch.cat([torch.arange(pad, pad + prefix), torch.arange(pad + prefix + gap,
+                                                                    pad + prefix + gap + new)])
+    width = pad + prefix + gap + new
+    kp = torch.full((1, kv, width, dim), float("nan")).bfloat16()
+    vp = torch.full((1, kv, width, dim), float("nan")).bfloat16()
+    kp[:, :, cols], vp[:, :, cols] = k, v
+    seen = torch.zeros(1, new, width, dtype=torch.bool)
+    for t in range(new):                                   # causal over the new tokens
+        seen[0, t, cols[:prefix + t + 1]] = True
+    alone = ext.attention_rows(q, k, v, None, True, scale)
+    laid_out = ext.attention_rows(q, kp, vp, seen, False, scale)
+    assert torch.equal(alone.view(torch.int16), laid_out.view(torch.int16))
+    # the softmax's sum itself (an output rounded to bf16 rarely shows one fp32 step of it)
+    for _ in range(30):
+        scores = torch.randn(width, generator=g) * 4
+        for t in range(new):
+            assert ext.softmax_total(scores[cols[:prefix + t + 1]]) == \
+                ext.softmax_total(scores, seen[0, t]) == \
+                ext.softmax_total(scores, seen[0, t], int(cols[prefix + t]) + 1)
+    if new == 1:
+        step = ext.decode_attention(q[:, :, :, 0], kp, vp, seen[:, None, :, :], scale)
+        assert torch.equal(step.view(torch.int16), alone[:, :, :, 0].view(torch.int16))
+
+
 @pytest.mark.parametrize("B,kv,group,dim,length,shared,offset", [
     (8, 2, 2, 64, 300, 256, 0), (8, 2, 2, 64, 300, 200, 40), (3, 4, 4, 64, 40, 39, 0),
     (5, 1, 12, 32, 100, 3, 9), (2, 2, 3, 48, 33, 1, 0), (9, 2, 2, 64, 70, 60, 9),

@@ -323,16 +323,37 @@ inline float scale_visible(float* s, int64_t n, int64_t last, const bool* m, flo
   return _mm512_reduce_max_ps(mx);
 }
 
-// s[t] = exp(s[t] - mx) for t < n (exp(-inf) = 0); returns their sum, in 16 lanes (lane
-// t % 16, increasing t) summed by `lane_sum`'s tree.
-inline float exp_lanes(float* s, int64_t n, float mx) {
+// s[t] = exp(s[t] - mx) for t < n (exp(-inf) = 0); returns the sum over the columns the row
+// sees (t < last, and m[t] where there is a mask) in 16 lanes, the i-th seen column in lane
+// i % 16 in increasing i, summed by `lane_sum`'s tree. So the sum's bits do not depend on
+// where padding puts a row's keys ([pad | cached prefix | pad | new tokens] in a batch): a
+// row gets the bits it gets alone. Without a mask, column t is the t-th seen.
+inline float exp_lanes(float* s, int64_t n, float mx, const bool* m = nullptr,
+                       int64_t last = -1) {
   __m512 sum = _mm512_setzero_ps();
-  const __m512 m = _mm512_set1_ps(mx);
+  const __m512 x = _mm512_set1_ps(mx);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t rank = 0;                                  // seen columns before t
   for (int64_t t = 0; t < n; t += kLanes) {
     const __mmask16 mask = n - t >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_mask_loadu_ps(m, mask, s + t), m));
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_mask_loadu_ps(x, mask, s + t), x));
     _mm512_mask_storeu_ps(s + t, mask, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+    if (!m) {
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+      continue;
+    }
+    const int64_t live = std::min<int64_t>(kLanes, std::max<int64_t>(0, (last < 0 ? n : last) - t));
+    __mmask16 seen = live >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    seen &= mask;
+    if (seen) seen &= _mm_test_epi8_mask(_mm_maskz_loadu_epi8(seen, m + t), _mm_set1_epi8(-1));
+    // the seen columns packed to the low lanes, then turned so the i-th lands in lane
+    // (rank + i) % 16: each lane gets at most one, in increasing rank
+    const __m512 c = _mm512_maskz_compress_ps(seen, e);
+    const __m512i from = _mm512_and_si512(
+        _mm512_sub_epi32(iota, _mm512_set1_epi32(static_cast<int>(rank % kLanes))),
+        _mm512_set1_epi32(kLanes - 1));
+    sum = _mm512_add_ps(sum, _mm512_permutexvar_ps(from, c));
+    rank += __builtin_popcount(static_cast<unsigned>(seen));
   }
   return lane_sum(sum);
 }
@@ -435,11 +456,14 @@ inline float scale_visible(float* s, int64_t n, int64_t last, const bool* m, flo
   return mx;
 }
 
-inline float exp_lanes(float* s, int64_t n, float mx) {
+inline float exp_lanes(float* s, int64_t n, float mx, const bool* m = nullptr,
+                       int64_t last = -1) {
   float lanes[kLanes] = {};
+  int64_t rank = 0;                  // as the AVX512 loop: lane i % 16 for the i-th seen column
   for (int64_t t = 0; t < n; ++t) {
     s[t] = std::exp(s[t] - mx);
-    lanes[t % kLanes] += s[t];
+    if (!m) lanes[t % kLanes] += s[t];
+    else if ((last < 0 || t < last) && m[t]) lanes[rank++ % kLanes] += s[t];
   }
   return lane_sum(lanes);
 }
@@ -1099,6 +1123,21 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
+// The softmax's sum of one row of attention scores (fp32 [n], already scaled), the columns it
+// sees given by mask (bool [n], or None: all) and last (columns past it unseen; -1: none):
+// attention's `exp_lanes` after its max, for tests of where its bits may depend on.
+double softmax_total(const at::Tensor& scores, const c10::optional<at::Tensor>& mask,
+                     int64_t last) {
+  auto s = scores.to(at::kFloat).contiguous().clone();
+  const int64_t n = s.numel();
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) m = mask->to(at::kBool).contiguous();
+  float* sp = s.data_ptr<float>();
+  const bool* mp = m.defined() ? m.data_ptr<bool>() : nullptr;
+  const float mx = scale_visible(sp, n, last < 0 ? n : last, mp, 1.0f);
+  return exp_lanes(sp, n, mx, mp, last);
+}
+
 // w [..., K] (bf16, rows flattened) in `packed_linear`'s layout: int32 [ceil(N / 16) * 16 * K / 2]
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() >= 2 && packs(w.size(-1)),
@@ -1223,7 +1262,7 @@ void attention_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t T, 
         float* s = scores.data() + r * seen;
         const bool* m = mp ? mp + (b * T + (r0 + r) % T) * ms : nullptr;
         const float mx = scale_visible(s, seen, last[r], m, sc);
-        total[r] = exp_lanes(s, seen, mx);           // s[j] = exp(s[j] - mx), their sum
+        total[r] = exp_lanes(s, seen, mx, m, last[r]);   // s[j] = exp(s[j] - mx), their sum
       }
       weighted_values(n, scores.data(), seen, seen, vp + b * vb + h * vh, D, acc.data());
       at::BFloat16* o = op + (bh * R + r0) * D;
@@ -1399,7 +1438,7 @@ bool shared_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t D, int
         float* s = scores.data() + r * seen;
         const bool* m = mp ? mp + row[r] * ms : nullptr;
         const float mx = scale_visible(s, seen, last[r], m, sc);   // before from[b]: masked
-        total[r] = exp_lanes(s, seen, mx);
+        total[r] = exp_lanes(s, seen, mx, m, last[r]);
         std::memcpy(common.data() + r * P, s + f[row[r]], P * sizeof(float));
       }
       weighted_values(n, common.data(), P, P, vp + h * vh + f[0] * D, D, acc.data());
@@ -2439,6 +2478,8 @@ bool has_amx() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_step", &decode_step, "one decode step of MoEModel");
   m.def("rows_linear", &rows_linear, "x @ w.T (+ b) for at most 8 rows of bf16");
+  m.def("softmax_total", &softmax_total, "attention's softmax sum of one row of scores",
+        py::arg("scores"), py::arg("mask") = py::none(), py::arg("last") = -1);
   m.def("packs", &packs, "whether weights of this width are packed (AVX512-BF16, no AMX)");
   m.def("pack_weight", &pack_weight, "bf16 weight rows in packed_linear's layout");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b), w packed: rows_linear's bits, any rows",
