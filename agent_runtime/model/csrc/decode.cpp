@@ -358,16 +358,75 @@ inline float exp_lanes(float* s, int64_t n, float mx, const bool* m = nullptr,
   return lane_sum(sum);
 }
 
+// `values_block` over DP whole blocks of 32 lanes: each position's 32 bf16 values read as 16
+// pairs and widened in two instructions, the even ones (shifted up) and the odd ones (masked),
+// instead of two loads and two conversions per 16; the lanes are the same values in another
+// order, each with the same chain of fused multiply-adds, put back in order at the end. So the
+// same bits with half the widening.
+template <int GN, int DP>
+inline void values_pairs(const float* p, int64_t ps, int64_t S, const uint16_t* v, int64_t D,
+                         int64_t d, float* acc, bool more, bool dense) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 ae[GN][DP], ao[GN][DP];
+  for (int j = 0; j < GN; ++j)
+    for (int b = 0; b < DP; ++b) {
+      if (!more) {
+        ae[j][b] = ao[j][b] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* a = acc + j * D + d + 32 * b;
+      const __m512 x0 = _mm512_loadu_ps(a), x1 = _mm512_loadu_ps(a + kLanes);
+      ae[j][b] = _mm512_permutex2var_ps(x0, even, x1);
+      ao[j][b] = _mm512_permutex2var_ps(x0, odd, x1);
+    }
+  for (int64_t t = 0; t < S; ++t) {
+    if (!dense) {
+      bool any = false;
+      for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
+      if (!any) continue;
+    }
+    const uint16_t* vp = v + t * D + d;
+    __m512 ve[DP], vo[DP];
+    for (int b = 0; b < DP; ++b) {
+      const __m512i x = _mm512_loadu_si512(vp + 32 * b);
+      ve[b] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vo[b] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+    }
+    for (int j = 0; j < GN; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j * ps + t]);
+      for (int b = 0; b < DP; ++b) {
+        ae[j][b] = _mm512_fmadd_ps(pj, ve[b], ae[j][b]);
+        ao[j][b] = _mm512_fmadd_ps(pj, vo[b], ao[j][b]);
+      }
+    }
+  }
+  for (int j = 0; j < GN; ++j)
+    for (int b = 0; b < DP; ++b) {
+      float* a = acc + j * D + d + 32 * b;
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(ae[j][b], lo, ao[j][b]));
+      _mm512_storeu_ps(a + kLanes, _mm512_permutex2var_ps(ae[j][b], hi, ao[j][b]));
+    }
+}
+
 // acc[j, d:d+16*DB] = sum over t < S, in increasing t, of p[j * ps + t] * v[t, d:d+16*DB] for
 // the GN rows j of acc (row stride D), in registers; the last of the DB blocks of 16 lanes may
 // be partial (the values end at D). Each position's values are read and widened once for all
 // DB blocks and GN rows. A position every row gives weight 0 (masked: exp(-inf)) is skipped,
 // so what it holds (NaN in a cache column never written) never reaches a row; adding a
 // product with weight 0 would not change a sum's bits anyway, so a row's result does not
-// depend on the rows beside it.
+// depend on the rows beside it. `dense`: every position is a written column (no mask), so the
+// check, which costs about what the products do, is left out.
 template <int GN, int DB>
 inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* v, int64_t D,
-                         int64_t d, float* acc, bool more) {
+                         int64_t d, float* acc, bool more, bool dense) {
+  if constexpr (DB % 2 == 0) {
+    if (D - d >= kLanes * DB)
+      return values_pairs<GN, DB / 2>(p, ps, S, v, D, d, acc, more, dense);
+  }
   const int64_t tail = D - d - kLanes * (DB - 1);            // lanes of the last block
   const bool full = tail >= kLanes;
   const __mmask16 mask = full ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
@@ -378,9 +437,11 @@ inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* 
                 : b + 1 < DB ? _mm512_loadu_ps(acc + j * D + d + b * kLanes)
                              : _mm512_maskz_loadu_ps(mask, acc + j * D + d + b * kLanes);
   for (int64_t t = 0; t < S; ++t) {
-    bool any = false;
-    for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
-    if (!any) continue;
+    if (!dense) {
+      bool any = false;
+      for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
+      if (!any) continue;
+    }
     const uint16_t* vp = v + t * D + d;
     __m512 vv[DB];
     for (int b = 0; b + 1 < DB; ++b)
@@ -401,12 +462,12 @@ inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* 
 
 template <int GN>
 inline void values_blocks(int64_t DB, const float* p, int64_t ps, int64_t S, const uint16_t* v,
-                          int64_t D, int64_t d, float* acc, bool more) {
+                          int64_t D, int64_t d, float* acc, bool more, bool dense) {
   switch (DB) {
-    case 1: values_block<GN, 1>(p, ps, S, v, D, d, acc, more); break;
-    case 2: values_block<GN, 2>(p, ps, S, v, D, d, acc, more); break;
-    case 3: values_block<GN, 3>(p, ps, S, v, D, d, acc, more); break;
-    default: values_block<GN, 4>(p, ps, S, v, D, d, acc, more); break;
+    case 1: values_block<GN, 1>(p, ps, S, v, D, d, acc, more, dense); break;
+    case 2: values_block<GN, 2>(p, ps, S, v, D, d, acc, more, dense); break;
+    case 3: values_block<GN, 3>(p, ps, S, v, D, d, acc, more, dense); break;
+    default: values_block<GN, 4>(p, ps, S, v, D, d, acc, more, dense); break;
   }
 }
 
@@ -414,14 +475,14 @@ inline void values_blocks(int64_t DB, const float* p, int64_t ps, int64_t S, con
 // 64 lanes of D at a time, one pass over the positions each. `more`: go on from the sums
 // already in acc (the same chain of fused multiply-adds as one call over both ranges).
 inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
-                            int64_t D, float* acc, bool more = false) {
+                            int64_t D, float* acc, bool more = false, bool dense = false) {
   if (R > 4 && R <= 8) {            // 5-8 rows in one pass over the positions, 32 lanes of D
     for (int64_t d = 0; d < D; d += 2 * kLanes) {
       const int64_t blocks = std::min<int64_t>(2, (D - d + kLanes - 1) / kLanes);
       auto two = [&](auto gn) {
         constexpr int GN = decltype(gn)::value;
-        if (blocks == 1) values_block<GN, 1>(p, ps, S, v, D, d, acc, more);
-        else values_block<GN, 2>(p, ps, S, v, D, d, acc, more);
+        if (blocks == 1) values_block<GN, 1>(p, ps, S, v, D, d, acc, more, dense);
+        else values_block<GN, 2>(p, ps, S, v, D, d, acc, more, dense);
       };
       switch (R) {
         case 5: two(std::integral_constant<int, 5>()); break;
@@ -438,10 +499,10 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
       const float* pr = p + r * ps;
       float* ar = acc + r * D;
       switch (std::min<int64_t>(4, R - r)) {
-        case 1: values_blocks<1>(blocks, pr, ps, S, v, D, d, ar, more); break;
-        case 2: values_blocks<2>(blocks, pr, ps, S, v, D, d, ar, more); break;
-        case 3: values_blocks<3>(blocks, pr, ps, S, v, D, d, ar, more); break;
-        default: values_blocks<4>(blocks, pr, ps, S, v, D, d, ar, more); break;
+        case 1: values_blocks<1>(blocks, pr, ps, S, v, D, d, ar, more, dense); break;
+        case 2: values_blocks<2>(blocks, pr, ps, S, v, D, d, ar, more, dense); break;
+        case 3: values_blocks<3>(blocks, pr, ps, S, v, D, d, ar, more, dense); break;
+        default: values_blocks<4>(blocks, pr, ps, S, v, D, d, ar, more, dense); break;
       }
     }
   }
@@ -469,7 +530,8 @@ inline float exp_lanes(float* s, int64_t n, float mx, const bool* m = nullptr,
 }
 
 inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
-                            int64_t D, float* acc, bool more = false) {
+                            int64_t D, float* acc, bool more = false,
+                            bool dense = false) {
   if (!more) std::fill(acc, acc + R * D, 0.0f);
   for (int64_t t = 0; t < S; ++t) {
     bool any = false;
@@ -1264,7 +1326,8 @@ void attention_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t T, 
         const float mx = scale_visible(s, seen, last[r], m, sc);
         total[r] = exp_lanes(s, seen, mx, m, last[r]);   // s[j] = exp(s[j] - mx), their sum
       }
-      weighted_values(n, scores.data(), seen, seen, vp + b * vb + h * vh, D, acc.data());
+      weighted_values(n, scores.data(), seen, seen, vp + b * vb + h * vh, D, acc.data(), false,
+                      !mp);
       at::BFloat16* o = op + (bh * R + r0) * D;
       for (int64_t r = 0; r < n; ++r) {
         const float inv = 1.0f / total[r];
@@ -1441,12 +1504,12 @@ bool shared_raw(const XRow* qp, int64_t B, int64_t KV, int64_t G, int64_t D, int
         total[r] = exp_lanes(s, seen, mx, m, last[r]);
         std::memcpy(common.data() + r * P, s + f[row[r]], P * sizeof(float));
       }
-      weighted_values(n, common.data(), P, P, vp + h * vh + f[0] * D, D, acc.data());
+      weighted_values(n, common.data(), P, P, vp + h * vh + f[0] * D, D, acc.data(), false, !mp);
       for (int64_t r0 = 0, r1; r0 < n; r0 = r1) {
         const int64_t b = row[r0], own = f[b] + P;
         for (r1 = r0 + 1; r1 < n && row[r1] == b; ++r1) {}
         weighted_values(r1 - r0, scores.data() + r0 * seen + own, seen, last[r0] - own,
-                        vp + b * vb + h * vh + own * D, D, acc.data() + r0 * D, true);
+                        vp + b * vb + h * vh + own * D, D, acc.data() + r0 * D, true, !mp);
       }
       for (int64_t r = 0; r < n; ++r) {
         const int64_t b = row[r], g = (i0 + r) % G;
