@@ -420,7 +420,7 @@ class Experts(nn.Module):
             # summed as the lines below sum a row's experts (index_add_: in fp32 from +0, in
             # ascending expert order, rounded once), so a token decoded alone gets the bits
             # it gets in a prefill
-            out = torch.zeros(x.shape, dtype=torch.float32)
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for e, we in sorted(zip(idx.tolist()[0], w.tolist()[0])):
                 out += (self._one(x, e, q) * we).float()
             return out.to(x.dtype)
