@@ -70,6 +70,8 @@ class SandboxConfig:
     memory_limit: int | None = 8 * 2**30   # address space (RLIMIT_AS) per process, bytes
     max_processes: int | None = 1024       # processes (cgroup: tasks) alive at once per command
     writable_paths: tuple[str, ...] = ()   # host paths writable besides workspace and /tmp
+    readonly_paths: tuple[str, ...] = ()   # host paths commands must see (read-only), even
+                                           # under the host's /tmp, which the sandbox hides
     mount: str | None = MOUNT              # the workspace's path inside the sandbox, where
                                            # commands start (None: its host path)
     network: bool = False                  # share the host network (off: private loopback only)
@@ -258,6 +260,9 @@ class Sandbox:
         for p in self.config.writable_paths:
             real = os.path.realpath(p)
             flags += ["--bind", real, real]
+        for p in self.config.readonly_paths:
+            real = os.path.realpath(p)
+            flags += ["--ro-bind", real, real]
         flags += ["--remount-ro", "/", "--unshare-all", "--unshare-user"]
         if self.config.network:
             flags.append("--share-net")

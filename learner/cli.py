@@ -133,6 +133,9 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
               help="Sampling temperature of a model's calls (0: greedy).")
 @click.option("--quantize", type=click.Choice(["int8"]), default=None,
               help="Decode with int8 copies of the model's weights (bf16 models).")
+@click.option("--real-clock", is_flag=True,
+              help="Let pytest in the tasks print real durations; by default its clock stands "
+                   "still (\"in 0.00s\"), so evaluating a model twice gives the same episodes.")
 @click.option("-v", "--verbose", is_flag=True, help="One line per task before the summary.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the numbers and per-task results as JSON instead.")
@@ -141,7 +144,7 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                  processes: int | None, max_steps: int, max_new_tokens: int,
                  context_window: int | None, concurrency: int | None, sandbox: str | None,
                  free_calls: bool, samples: int, temperature: float, quantize: str | None,
-                 verbose: bool, as_json: bool) -> None:
+                 real_clock: bool, verbose: bool, as_json: bool) -> None:
     """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task; or several
     side by side (--compare sft,default)."""
     import json
@@ -188,7 +191,7 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                           constrain_calls=not free_calls, samples=samples,
                           concurrency=concurrency or (4 if spec == "oracle" else
                                                      1 if spec.startswith("replay:") else 8),
-                          on_episode=progress.done)
+                          on_episode=progress.done, still_clock=not real_clock)
     click.echo(json.dumps(report.to_dict(), indent=1) if as_json
                else format_report(report, verbose=verbose))
 

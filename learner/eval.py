@@ -136,12 +136,22 @@ def policy_factory(spec: str, max_new_tokens: int = 512, context_window: int = 0
 def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], store, *,
              concurrency: int = 1, max_steps: int = 20, sandbox=None,
              constrain_calls: bool = True, samples: int = 1,
-             on_episode: Callable[[Episode], None] | None = None) -> EvalReport:
+             on_episode: Callable[[Episode], None] | None = None,
+             still_clock: bool = True) -> EvalReport:
     """Run `samples` episodes per task (one each by default; more only make sense with a
     sampling policy) and collect the report. `constrain_calls=False` lets the model write
     tool calls that cannot run (`AgentConfig.constrain_calls`); `on_episode` sees each
-    episode as it finishes."""
+    episode as it finishes. `still_clock`: pytest in the tasks' commands reports every
+    duration as 0 (`grading.fixed_clock`), so an evaluation of a greedy policy repeats
+    itself exactly; False: the real durations."""
     from agent_runtime.agent import AgentConfig
+    from agent_runtime.sandbox import SandboxConfig
+    from learner.tasks.grading import fixed_clock
+    if still_clock and (sandbox is None or sandbox is True
+                        or isinstance(sandbox, (str, SandboxConfig))):
+        base = sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig(
+            **({"mode": sandbox} if isinstance(sandbox, str) else {}))
+        sandbox = fixed_clock(base)
     episodes = run_episodes(factory, [t for t in tasks for _ in range(samples)], store,
                             concurrency=concurrency, sandbox=sandbox,
                             agent_config=AgentConfig(max_steps=max_steps,

@@ -132,6 +132,23 @@ def task_env(task) -> dict[str, str]:
     return {**task.env, "PATH": f"{bin_dir}{os.pathsep}{path}"}
 
 
+CLOCK_PLUGINS = Path(__file__).parent / "clock"    # `apprentice_fixed_clock`, a pytest plugin
+
+
+def fixed_clock(config):
+    """`config` (a SandboxConfig) with pytest's clock standing still in its commands
+    (`clock/apprentice_fixed_clock.py`: every run reports "in 0.00s"), for evaluations: the
+    durations pytest prints are the one part of a task's tool output that differs between two
+    runs of the same model, and a model reads them (two held-out evaluations of the shipped
+    model, with the same logits call for call, had 76 of 200 transcripts part at them)."""
+    from dataclasses import replace
+    plugins = str(CLOCK_PLUGINS)
+    path = config.env.get("PYTHONPATH")
+    return replace(config, env={**config.env, "PYTEST_PLUGINS": "apprentice_fixed_clock",
+                                "PYTHONPATH": plugins + (os.pathsep + path if path else "")},
+                   readonly_paths=(*config.readonly_paths, plugins))
+
+
 def sandbox_config(task, sandbox=None):
     """The SandboxConfig commands of `task` run under: `sandbox` (a Sandbox, SandboxConfig,
     mode string or True), else unsandboxed; the task's environment on top."""

@@ -230,6 +230,19 @@ def test_tmp_is_private_and_kept_between_commands(bwrap_sandbox):
     assert not Path("/tmp", name).exists()
 
 
+def test_readonly_paths_are_seen_even_under_tmp_and_not_written(bwrap_sandbox, tmp_path):
+    """The sandbox hides the host's /tmp behind its own; a read-only path under it (a CI
+    clone's plugin folder) is still seen, and cannot be written."""
+    shared = tmp_path / "plugins"
+    shared.mkdir()
+    (shared / "note.txt").write_text("seen\n")
+    assert bwrap_sandbox().run(f"cat {shared}/note.txt").exit_code != 0   # hidden without it
+    sb = bwrap_sandbox(readonly_paths=(str(shared),))
+    assert sb.run(f"cat {shared}/note.txt").output == "seen\n"
+    assert sb.run(f"echo changed > {shared}/note.txt").exit_code != 0
+    assert (shared / "note.txt").read_text() == "seen\n"
+
+
 def test_fallback_warns_the_user(workspace, caplog):
     with caplog.at_level(logging.WARNING, logger="agent_runtime.sandbox"):
         sb = Sandbox(workspace, SandboxConfig(mode="off"))

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from agent_runtime.cli import main
@@ -57,6 +58,38 @@ def test_eval_of_the_oracle_on_held_out_tasks_scores_100(home):
     assert m and m.group(1) == "100.0" and m.group(2) == m.group(3) == "4"
     with SessionStore(home) as store:
         assert len(store.list_sessions(include_all=True)) == 4 and len(rewards(store)) == 4
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_the_still_clock_makes_pytest_report_no_time_in_a_tasks_commands(tmp_path, mode):
+    """`fixed_clock`: pytest run in a task's commands (sandboxed or not) reports a 0.3 s test as
+    taking 0.00 s, so two evaluations print the same tool output; without it, 0.30 s."""
+    from agent_runtime.sandbox import Sandbox, SandboxConfig
+    from learner.tasks.grading import fixed_clock
+    from learner.tasks.repo import TEST_COMMAND, TEST_ENV
+    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_slow():\n"
+                                            "    time.sleep(0.3)\n")
+    env = {**TEST_ENV, "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
+    for still, expect in ((False, "1 passed in 0.3"), (True, "1 passed in 0.00s")):
+        config = SandboxConfig(mode=mode, env=env)
+        box = Sandbox(tmp_path, fixed_clock(config) if still else config)
+        try:
+            out = box.run(TEST_COMMAND).output.strip().splitlines()[-1]
+        finally:
+            box.close()
+        assert out.startswith(expect), out
+
+
+def test_an_evaluation_stops_pytests_clock_unless_asked_not_to(home):
+    """`apprentice eval` runs the tasks' pytest with the still clock: every summary the
+    oracle's episodes read says 0.00 s."""
+    out = invoke("eval", "--tasks", "sim-heldout", "-n", 2, "--policy", "oracle")
+    assert out.exit_code == 0, out.output
+    with SessionStore(home) as store:
+        texts = [m["content"] for s in store.list_sessions(include_all=True)
+                 for m in store.messages(s["id"])
+                 if m["role"] == "tool" and " passed in " in (m["content"] or "")]
+    assert texts and all(re.search(r"passed in 0\.00s", t) for t in texts), texts
 
 
 def test_in_a_terminal_eval_shows_its_progress_on_stderr_and_prints_the_same_report(home,
