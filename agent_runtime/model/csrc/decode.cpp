@@ -358,6 +358,14 @@ inline float exp_lanes(float* s, int64_t n, float mx, const bool* m = nullptr,
   return lane_sum(sum);
 }
 
+// whether any of the GN rows of p (row stride ps) gives position t a weight
+template <int GN>
+inline bool weighed(const float* p, int64_t ps, int64_t t) {
+  bool any = false;
+  for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
+  return any;
+}
+
 // `values_block` over DP whole blocks of 32 lanes: each position's 32 bf16 values read as 16
 // pairs and widened in two instructions, the even ones (shifted up) and the odd ones (masked),
 // instead of two loads and two conversions per 16; the lanes are the same values in another
@@ -384,11 +392,7 @@ inline void values_pairs(const float* p, int64_t ps, int64_t S, const uint16_t* 
       ao[j][b] = _mm512_permutex2var_ps(x0, odd, x1);
     }
   for (int64_t t = 0; t < S; ++t) {
-    if (!dense) {
-      bool any = false;
-      for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
-      if (!any) continue;
-    }
+    if (!dense && !weighed<GN>(p, ps, t)) continue;
     const uint16_t* vp = v + t * D + d;
     __m512 ve[DP], vo[DP];
     for (int b = 0; b < DP; ++b) {
@@ -437,11 +441,7 @@ inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* 
                 : b + 1 < DB ? _mm512_loadu_ps(acc + j * D + d + b * kLanes)
                              : _mm512_maskz_loadu_ps(mask, acc + j * D + d + b * kLanes);
   for (int64_t t = 0; t < S; ++t) {
-    if (!dense) {
-      bool any = false;
-      for (int j = 0; j < GN; ++j) any |= p[j * ps + t] != 0.0f;
-      if (!any) continue;
-    }
+    if (!dense && !weighed<GN>(p, ps, t)) continue;
     const uint16_t* vp = v + t * D + d;
     __m512 vv[DB];
     for (int b = 0; b + 1 < DB; ++b)
