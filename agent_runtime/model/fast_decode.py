@@ -212,7 +212,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
         biases += [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias, att.o_proj.bias]
     if quantized:
         quant += list(model.lm_head.q) if model.lm_head.q is not None else [None, None]
-    packed = [] if quantized or None in qkv[::2] else packed_weights(model)
+    packed = [] if quantized or any(w is None for w in qkv[::2]) else packed_weights(model)
     model._rope(torch.zeros(1, 1, dtype=torch.long), model.dtype)      # build the tables
     cos, sin = model._rope_table
     upcast = UPCAST_CPU

@@ -781,21 +781,6 @@ void grouped_rows(const XRow* xp, const std::vector<const uint16_t*>& ws,
 // through it computes each product as a decode step does (`model.linear`). CPUs with AMX
 // tiles keep their tiles (`packs`).
 #if defined(__AVX512BF16__)
-// Keys as `packed_scores` reads them: for each block of 16 keys and each of the D / 2 pairs of
-// bf16 (k = 2i, 2i + 1), the 16 keys' pairs side by side (keys past S zero):
-// out[(block * D / 2 + i) * 16 + j] is key 16 * block + j's pair i.
-void pack_keys(const uint16_t* k, int64_t S, int64_t D, uint32_t* out) {
-  const int64_t P = D / 2;
-  for (int64_t b = 0; b < (S + 15) / 16; ++b)
-    for (int64_t i = 0; i < P; ++i)
-      for (int64_t j = 0; j < 16; ++j) {
-        uint32_t pair = 0;
-        if (16 * b + j < S) std::memcpy(&pair, k + (16 * b + j) * D + 2 * i, sizeof pair);
-        out[(b * P + i) * 16 + j] = pair;
-      }
-}
-
-
 // A weight w [N, K] (K % 32 == 0) as `packed_block` reads it, in the order it reads it: for
 // each block of 16 rows, for l = 0..7 and each block c of 32 columns, the 16 rows' pair
 // 16c + l, then their pair 16c + l + 8 (rows past N zero), each 16 pairs side by side:
@@ -1240,6 +1225,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, int64_t N,
 
 namespace {
 #if defined(__AVX512BF16__)
+// Keys as `packed_scores` reads them: for each block of 16 keys and each of the D / 2 pairs of
+// bf16 (k = 2i, 2i + 1), the 16 keys' pairs side by side (keys past S zero):
+// out[(block * D / 2 + i) * 16 + j] is key 16 * block + j's pair i.
+void pack_keys(const uint16_t* k, int64_t S, int64_t D, uint32_t* out) {
+  const int64_t P = D / 2;
+  for (int64_t b = 0; b < (S + 15) / 16; ++b)
+    for (int64_t i = 0; i < P; ++i)
+      for (int64_t j = 0; j < 16; ++j) {
+        uint32_t pair = 0;
+        if (16 * b + j < S) std::memcpy(&pair, k + (16 * b + j) * D + 2 * i, sizeof pair);
+        out[(b * P + i) * 16 + j] = pair;
+      }
+}
+
 // scores y [n, N] (row stride N) of n query rows x [n, D] (bf16, D % 32 == 0) against keys
 // 0..N packed by `pack_keys`, 16 keys a register: lane j of accumulator l takes pair l of each
 // block of 32 of x and of key j, in increasing blocks, as lane l of `dot_rows`' accumulator
@@ -1794,22 +1793,18 @@ std::vector<at::Tensor> decode_direct(
   };
   // the weights packed (`pack_weight`), 5 a layer (q/k/v, o, router, gate_up, down) and the
   // output head's: used when every one is there in the expected size, else none
-  auto packed_size = [](int64_t N, int64_t K) { return (N + 15) / 16 * 16 * K / 2; };
+  auto fits = [&](int64_t i, int64_t N, int64_t K) {   // packed[i] holds w [N, K] packed
+    const at::Tensor& t = packed[i];
+    return t.defined() && t.scalar_type() == at::kInt && t.is_contiguous() &&
+           t.numel() == (N + 15) / 16 * 16 * K / 2;
+  };
   bool use_packed = static_cast<int64_t>(packed.size()) == 5 * L + 1 && packs(H) &&
-                    packs(NQ) && packs(I) && (2 * I) % 16 == 0 && H % 16 == 0;
-  for (int64_t l = 0; use_packed && l < L; ++l) {
-    const int64_t want[5] = {packed_size(NQ + 2 * NK, H), packed_size(H, NQ),
-                             packed_size(E, H), packed_size(E * 2 * I, H),
-                             packed_size(E * H, I)};
-    for (int j = 0; j < 5 && use_packed; ++j) {
-      const at::Tensor& t = packed[5 * l + j];
-      use_packed = t.defined() && t.scalar_type() == at::kInt && t.is_contiguous() &&
-                   t.numel() == want[j];
-    }
-  }
-  use_packed = use_packed && packed[5 * L].defined() &&
-               packed[5 * L].scalar_type() == at::kInt && packed[5 * L].is_contiguous() &&
-               packed[5 * L].numel() == packed_size(V, H);
+                    packs(NQ) && packs(I) && (2 * I) % 16 == 0 && H % 16 == 0 &&
+                    fits(5 * L, V, H);
+  for (int64_t l = 0; use_packed && l < L; ++l)
+    use_packed = fits(5 * l, NQ + 2 * NK, H) && fits(5 * l + 1, H, NQ) &&
+                 fits(5 * l + 2, E, H) && fits(5 * l + 3, E * 2 * I, H) &&
+                 fits(5 * l + 4, E * H, I);
   auto u32 = [&](int64_t i) {
     return use_packed ? reinterpret_cast<const uint32_t*>(packed[i].data_ptr<int32_t>())
                       : nullptr;
