@@ -146,12 +146,9 @@ def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], 
     itself exactly; False: the real durations."""
     from agent_runtime.agent import AgentConfig
     from agent_runtime.sandbox import SandboxConfig
-    from learner.tasks.grading import fixed_clock
-    if still_clock and (sandbox is None or sandbox is True
-                        or isinstance(sandbox, (str, SandboxConfig))):
-        base = sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig(
-            **({"mode": sandbox} if isinstance(sandbox, str) else {}))
-        sandbox = fixed_clock(base)
+    from learner.tasks.grading import as_sandbox_config, fixed_clock
+    if still_clock:          # None is the default config, as in `run_episode`
+        sandbox = fixed_clock(as_sandbox_config(sandbox, SandboxConfig()))
     episodes = run_episodes(factory, [t for t in tasks for _ in range(samples)], store,
                             concurrency=concurrency, sandbox=sandbox,
                             agent_config=AgentConfig(max_steps=max_steps,

@@ -149,22 +149,29 @@ def fixed_clock(config):
                    readonly_paths=(*config.readonly_paths, plugins))
 
 
-def sandbox_config(task, sandbox=None):
-    """The SandboxConfig commands of `task` run under: `sandbox` (a Sandbox, SandboxConfig,
-    mode string or True), else unsandboxed; the task's environment on top."""
-    from dataclasses import replace
-
+def as_sandbox_config(sandbox, default=None):
+    """The SandboxConfig `sandbox` names: a Sandbox's own, a SandboxConfig, a mode string,
+    True (the default config); None gives `default` (None: unsandboxed)."""
     from agent_runtime.sandbox import Sandbox, SandboxConfig
+    if sandbox is None:
+        return default if default is not None else SandboxConfig(mode="off")
     if isinstance(sandbox, Sandbox):
-        config = sandbox.config
-    elif isinstance(sandbox, SandboxConfig):
-        config = sandbox
-    elif isinstance(sandbox, str):
-        config = SandboxConfig(mode=sandbox)
-    elif sandbox is True:
-        config = SandboxConfig()
-    else:
-        config = SandboxConfig(mode="off")
+        return sandbox.config
+    if isinstance(sandbox, SandboxConfig):
+        return sandbox
+    if isinstance(sandbox, str):
+        return SandboxConfig(mode=sandbox)
+    if sandbox is True:
+        return SandboxConfig()
+    raise TypeError(f"sandbox: expected a Sandbox, SandboxConfig, mode string, True or None, "
+                    f"not {sandbox!r}")
+
+
+def sandbox_config(task, sandbox=None):
+    """The SandboxConfig commands of `task` run under: `sandbox` (`as_sandbox_config`: None
+    is unsandboxed), with the task's environment on top."""
+    from dataclasses import replace
+    config = as_sandbox_config(sandbox)
     return replace(config, env={**config.env, **task_env(task)},
                    max_timeout=max(config.max_timeout, float(task.timeout)))
 
