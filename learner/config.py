@@ -114,6 +114,9 @@ class PipelineConfig:
                                     # group starts only while fewer than groups_per_step *
                                     # (max_staleness + 1) are queued or running
     torch_threads: int = 0          # torch intra-op threads for the process (0 = leave as is)
+    idle_threads: int = 0           # async with worker processes: the trainer's threads while
+                                    # no group is queued or rolling out (the workers' cores are
+                                    # then idle), `torch_threads` otherwise; 0: off
     seed: int = 0                   # task order and sampling seeds
     curriculum: bool = False        # draw task families where the policy both passes and
                                     # fails (`learner.curriculum`); tasks without a family: off

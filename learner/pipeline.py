@@ -242,6 +242,7 @@ class Pipeline:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._skipped = 0                        # uniform groups set aside for the next step
+        self._in_flight = 0                      # groups handed to worker processes, not back
 
     def _next_index(self) -> int:
         with self._lock:
@@ -375,6 +376,8 @@ class Pipeline:
             finish = start_actors(self, q)
         elif self.config.rollout.processes:
             finish = self._start_processes(q)
+            if p.idle_threads > 0:
+                finish = self._lend_idle_cores(finish)
         else:
             finish = self._start_threads(q)
         try:
@@ -477,9 +480,27 @@ class Pipeline:
                 t.join(timeout=5)
         return finish
 
+    def _lend_idle_cores(self, finish: Callable[[], None]) -> Callable[[], None]:
+        """The trainer takes `idle_threads` threads for a micro-batch that starts while no
+        group is queued for or rolling out in the worker processes (their cores idle: with a
+        trainer slower than the rollouts, most of a step), `torch_threads` otherwise."""
+        p = self.config.pipeline
+        busy = max(1, p.torch_threads or torch.get_num_threads())
+        self.trainer.threads = lambda: busy if self._in_flight else p.idle_threads
+
+        def done() -> None:
+            self.trainer.threads = None
+            torch.set_num_threads(busy)
+            finish()
+        return done
+
     def _feed(self, tasks_q: Any) -> None:
         while self._credit():
-            self._put(tasks_q, self._next_index())
+            with self._lock:                     # counted before a worker can take it
+                self._in_flight += 1
+            if not self._put(tasks_q, self._next_index()):
+                with self._lock:
+                    self._in_flight -= 1
 
     def _collect(self, out_q: Any, q: queue.Queue, procs: list) -> None:
         while not self._stop.is_set():
@@ -494,6 +515,8 @@ class Pipeline:
                 self._error = RuntimeError(f"rollout worker process:\n{payload}")
                 self._stop.set()
                 return
+            with self._lock:
+                self._in_flight -= 1
             payload.samples = [self.store.samples(e.session_id) for e in payload.episodes]
             self._put(q, self._generated(payload))
 

@@ -35,7 +35,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import sqlite_utils
@@ -86,6 +86,9 @@ class Trainer:
             if self.bf16:
                 self.ref.to(torch.bfloat16)
         self.versions, self.store = versions, store
+        self.threads: Callable[[], int] | None = None   # intra-op threads for the next
+                                                # micro-batch (`Pipeline`: more while rollout
+                                                # workers idle); None: leave as set
         self.step_count = 0
         self.version: int | None = None          # version of the current weights, once published
         self.published: dict[str, torch.Tensor] | None = None
@@ -245,6 +248,8 @@ class Trainer:
         scale = balance_scale(samples, c.loss.negatives) if c.loss.balance else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         for batch in self.micro_batches(samples):
+            if self.threads is not None:
+                torch.set_num_threads(self.threads())
             outs = self.forward_batch(batch)
             dev = outs[0].logprobs.device
             ref = None

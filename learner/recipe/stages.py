@@ -15,6 +15,7 @@ It does not define what a stage computes (the stage modules do) or parse command
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -327,8 +328,10 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
                                    seed=g.seed, curriculum=g.curriculum,
                                    max_skipped=g.max_skipped, revisit=g.revisit,
-                                   # on a CPU: one core trains while one rolls out
-                                   torch_threads=1 if device == "cpu" else 0))
+                                   # on a CPU: one core trains while one rolls out, and
+                                   # the trainer takes every core while no rollout runs
+                                   torch_threads=1 if device == "cpu" else 0,
+                                   idle_threads=len(os.sched_getaffinity(0)) if device == "cpu" else 0))
 
 
 def averaged_versions(last: int | None, share: float) -> list[int]:

@@ -77,6 +77,28 @@ def test_async_mode_tags_every_sample_with_a_published_version(ckpt, tmp_path, p
         assert stats.samples_stale == 0          # workers wait rather than waste rollouts
 
 
+def test_the_trainer_takes_the_idle_workers_cores(ckpt, tmp_path):
+    # max_staleness 0: a group starts only once the step before it has published, so while
+    # a step trains no group is queued or rolling out and every micro-batch gets idle_threads
+    pipe, _, _ = build(ckpt, tmp_path, "async", steps=3, processes=True, max_staleness=0,
+                       torch_threads=1, idle_threads=2)
+    chosen = []
+    real = pipe.trainer.step
+
+    def step(*args, **kw):
+        pick = pipe.trainer.threads
+        pipe.trainer.threads = lambda: chosen.append(pick()) or chosen[-1]
+        try:
+            return real(*args, **kw)
+        finally:
+            pipe.trainer.threads = pick
+    pipe.trainer.step = step
+    pipe.run()
+    assert pipe.trainer.step_count == 3 and chosen and set(chosen) == {2}
+    assert pipe.trainer.threads is None
+    assert torch.get_num_threads() == 1                  # the busy count again afterwards
+
+
 def test_rollouts_run_while_the_trainer_trains(ckpt, tmp_path):
     pipe, _, _ = build(ckpt, tmp_path, "async", steps=2)
     training, overlapped = threading.Event(), threading.Event()
