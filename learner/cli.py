@@ -315,6 +315,9 @@ def _task_spec(ctx, param, value: str) -> str:
               help="Task order and initial RNG seed.")
 @click.option("--threads", type=click.IntRange(0), default=_PIPELINE.torch_threads,
               help="torch threads for the process (0 = torch's default).")
+@click.option("--idle-threads", type=click.IntRange(0), default=_PIPELINE.idle_threads,
+              help="Async with worker processes: the trainer's threads while no rollout is "
+                   "queued or running (e.g. every core with --threads 1; 0 = off).")
 @click.option("--backend", type=click.Choice(["local", "ray"]), default=_ROLLOUT.backend,
               show_default=True, help="Where async rollout workers run: local processes, or "
                                       "Ray actors (pip install 'apprentice[ray]').")
@@ -326,8 +329,8 @@ def _task_spec(ctx, param, value: str) -> str:
 def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay: bool,
          groups_per_step: int, lr: float, max_staleness: int, max_new_tokens: int,
          max_steps: int, checkpoint_every: int, temperature: float, run_dir: Path | None,
-         versions_dir: Path | None, seed: int, threads: int, backend: str, address: str | None,
-         workers: int) -> None:
+         versions_dir: Path | None, seed: int, threads: int, idle_threads: int, backend: str,
+         address: str | None, workers: int) -> None:
     """Train with GRPO (router replay, async rollouts); rerun to resume after a kill."""
     import json
 
@@ -350,7 +353,8 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
                                 max_steps=max_steps, backend=backend, workers=workers),
         pipeline=c.PipelineConfig(mode="sync" if sync else "async", steps=steps,
                                   groups_per_step=groups_per_step, max_staleness=max_staleness,
-                                  torch_threads=threads, seed=seed),
+                                  torch_threads=threads, idle_threads=idle_threads,
+                                  seed=seed),
         ray=c.RayConfig(address=address))
     if backend == "ray":
         if sync:
