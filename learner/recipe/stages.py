@@ -311,6 +311,7 @@ def grpo_tasks(g: GRPOStageConfig) -> str:
 def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
     """The learner's `RunConfig` for the stage, from checkpoint `start` on `device`."""
     from learner import config as lc
+    cores = len(os.sched_getaffinity(0)) if device == "cpu" else 0
     return lc.RunConfig(
         model=str(start), tasks=grpo_tasks(g),
         trainer=lc.TrainerConfig(loss=lc.LossConfig(kl_coef=g.kl_coef, balance=g.balance,
@@ -330,8 +331,7 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
                                    max_skipped=g.max_skipped, revisit=g.revisit,
                                    # on a CPU: one core trains while one rolls out, and
                                    # the trainer takes every core while no rollout runs
-                                   torch_threads=1 if device == "cpu" else 0,
-                                   idle_threads=len(os.sched_getaffinity(0)) if device == "cpu" else 0))
+                                   torch_threads=min(cores, 1), idle_threads=cores))
 
 
 def averaged_versions(last: int | None, share: float) -> list[int]:
