@@ -10,7 +10,6 @@ import torch
 
 from agent_runtime.model import fast_decode, load_model
 from agent_runtime.model.generate import SamplingParams, generate
-from agent_runtime.model.model import UPCAST_CPU
 from agent_runtime.model.prefix_cache import PrefixCache
 from tiny_checkpoints import VOCAB, save_hf_checkpoint
 
@@ -98,16 +97,13 @@ def test_the_direct_step_calls_no_tensor_kernel_and_declines_what_it_does_not_co
     """`decode_direct` serves a bf16 model without biases by itself (none of the extension's
     tensor-level kernels runs; the bitwise tests above would pass as well if it declined), and
     leaves a model with biases, an fp32 one and APPRENTICE_DECODE_DIRECT=0 to the tensor path.
-    On CPUs whose attention runs in fp32 (`UPCAST_CPU`: AVX2 without AVX512) a bf16 model's KV
-    cache is fp32, which the direct step declines too."""
+    It serves on every CPU: a bf16 model's KV cache is bf16 even where prompts attend in fp32
+    (`UPCAST_CPU`: AVX2 without AVX512; `model.cache_dtype`)."""
     plain = save_hf_checkpoint("qwen3_moe", tmp_path / "m")
     biased = save_hf_checkpoint("qwen3_moe", tmp_path / "b", attention_bias=True)
     monkeypatch.setenv(fast_decode.DIRECT, "1")
     tensor_path = {"apprentice::rows_linear", "apprentice::rms_norm_rows", "apprentice::moe_rows"}
-    if UPCAST_CPU:
-        assert tensor_path <= _kernels_called(load_model(plain, dtype="bfloat16"))
-    else:
-        assert _kernels_called(load_model(plain, dtype="bfloat16")) == set()
+    assert _kernels_called(load_model(plain, dtype="bfloat16")) == set()
     assert tensor_path <= _kernels_called(load_model(biased, dtype="bfloat16"))
     assert "apprentice::rows_linear" not in _kernels_called(load_model(plain, dtype="float32"))
     monkeypatch.setenv(fast_decode.DIRECT, "0")
