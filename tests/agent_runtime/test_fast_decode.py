@@ -455,19 +455,28 @@ def _check_rows(product, weight, x, b):
             assert torch.equal(alone[i].view(torch.int16), out[i:i + 1].view(torch.int16))
 
 
-def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, monkeypatch,
-                                                                       tmp_path):
-    """Most laptops have AVX2 and FMA but not AVX512: the extension built for such a CPU
-    (`-march=haswell`, whatever this one has) runs the AVX2 loop of `dot_lanes`. The same
-    checks as above on that build, for bf16 weights and int8 copies: near x @ w.T + b in
-    float64, a row alone bitwise itself in a batch; then its decode steps against its Python
-    step."""
+def _build(name: str, march: str, folder):
+    from torch.utils.cpp_extension import load
+    return load(name=name, sources=[str(fast_decode.SOURCE)], build_directory=str(folder),
+                extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                verbose=False)
+
+
+@pytest.fixture(scope="module")
+def avx2_build(built, tmp_path_factory):
+    """The extension built for a CPU with AVX2 and FMA but not AVX512 (most laptops):
+    `-march=haswell`, whatever this one has."""
     if not {"avx2", "fma"} <= fast_decode.cpu_flags():
         pytest.skip("this CPU cannot run an AVX2 build")
-    from torch.utils.cpp_extension import load
-    ext = load(name="apprentice_decode_avx2_test", sources=[str(fast_decode.SOURCE)],
-               build_directory=str(tmp_path), extra_cflags=["-O3", "-march=haswell", "-fopenmp"],
-               extra_ldflags=["-fopenmp"], verbose=False)
+    return _build("apprentice_decode_avx2_test", "haswell", tmp_path_factory.mktemp("avx2"))
+
+
+def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(avx2_build, monkeypatch,
+                                                                       tmp_path):
+    """The AVX2 build runs the AVX2 loops of `dot_rows` and `dot_lanes`. The same checks as
+    above on that build, for bf16 weights and int8 copies: near x @ w.T + b in float64, a row
+    alone bitwise itself in a batch; then its decode steps against its Python step."""
+    ext = avx2_build
     for width in (40, 256, 1000):
         g = torch.Generator().manual_seed(width)
         w = torch.randn(37, width, generator=g).bfloat16()
@@ -485,6 +494,41 @@ def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(built, mo
         model = load_model(save_hf_checkpoint(family, tmp_path / family), dtype="bfloat16")
         for direct in ("1", "0"):
             _check_steps(monkeypatch, model, direct)
+
+
+def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, tmp_path):
+    """Without AVX2 (`-march=x86-64`) the extension runs scalar loops; with it, the same
+    arithmetic 8 lanes at a time: the products' lanes summed in registers (`lane_sums8`),
+    attention's exp (`exp8_ps` against `exp_one`), its scaling and its weighted values. Their
+    outputs are the same bits: matmuls of 1-8 rows (widths whole blocks of 16 or not), and
+    attention decoding and prefilling, causal or masked, over 1-300 keys, with head sizes of
+    8-lane blocks and not."""
+    portable = _build("apprentice_decode_portable_test", "x86-64", tmp_path)
+    g = torch.Generator().manual_seed(5)
+
+    def same(a, b):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    for width in (16, 40, 64, 256):
+        w = torch.randn(37, width, generator=g).bfloat16()
+        b = torch.randn(37, generator=g).bfloat16()
+        for rows in range(1, 9):
+            x = torch.randn(rows, width, generator=g).bfloat16()
+            assert same(avx2_build.rows_linear(x, w, b), portable.rows_linear(x, w, b)), width
+    for kv, group, new, cols, dim in [(2, 2, 1, 1, 64), (2, 2, 1, 300, 64),
+                                              (1, 3, 1, 77, 20), (2, 1, 19, 19, 64),
+                                              (2, 2, 7, 150, 64), (1, 2, 5, 40, 48)]:
+        for masked in (False, True):
+            q = torch.randn(2, kv, group, new, dim, generator=g).bfloat16() * 3
+            k = torch.randn(2, kv, cols, dim, generator=g).bfloat16()
+            v = torch.randn(2, kv, cols, dim, generator=g).bfloat16()
+            mask = None
+            if masked:
+                mask = torch.rand(2, new, cols, generator=g) > 0.3
+                mask[:, :, -1] = True
+            args = (q, k, v, mask, not masked, dim ** -0.5)
+            assert same(avx2_build.attention_rows(*args), portable.attention_rows(*args)), \
+                (kv, group, new, cols, dim, masked)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

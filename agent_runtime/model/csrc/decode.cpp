@@ -278,9 +278,76 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 }
 #else
 using XRow = float;
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 widen8_bf16(const uint16_t* p) {   // 8 bf16 to fp32, exactly
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// out[i] = lane_sum(a_i) for 8 dot products at once, given s8[i] = lanes 0-7 of a_i plus lanes
+// 8-15 (`lane_sum`'s first level): the same pairs added in the same tree, across registers
+// (AVX512's `lane_sums8` in halves), instead of 15 scalar additions a sum. At K = 64
+// (attention's scores: eight multiply-adds a sum) those cost more than the products.
+inline void lane_sums8(const __m256* s8, float* out) {
+  __m256 u[4];
+  for (int i = 0; i < 4; ++i)     // s4 of s8[2i] (low half), of s8[2i + 1] (high half)
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(s8[2 * i], s8[2 * i + 1], 0x31));
+  __m256 g[2];
+  for (int i = 0; i < 2; ++i)     // s4[0] + s4[2] and s4[1] + s4[3] of u[2i]'s, then u[2i + 1]'s
+    g[i] = _mm256_add_ps(
+        _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(u[2 * i]), _mm256_castps_pd(u[2 * i + 1]))),
+        _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(u[2 * i]), _mm256_castps_pd(u[2 * i + 1]))));
+  // low half: the sums of s8[0], s8[2], s8[4], s8[6]; high half: of s8[1], s8[3], s8[5], s8[7]
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// s8[m] = lanes 0-7 plus lanes 8-15 of the 16 lanes of x's row m against one weight row (K a
+// multiple of 16): `dot_lanes`' fused multiply-adds, kept in registers
+template <int MB>
+inline void dot_s8(const float* x, const uint16_t* wr, int64_t K, __m256* s8) {
+  __m256 lo[MB], hi[MB];
+  for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const __m256 w0 = widen8_bf16(wr + k), w1 = widen8_bf16(wr + k + 8);
+    for (int m = 0; m < MB; ++m) {
+      lo[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[m]);
+      hi[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) s8[m] = _mm256_add_ps(lo[m], hi[m]);
+}
+#endif
+
+// AVX2 + FMA: each weight row against x's rows four at a time (eight registers of sums), the
+// lanes summed eight products at a time (`lane_sums8`); bitwise `dot_lanes` and `store_rows`
+// (the portable path, and this one's where K is not a multiple of 16).
 template <int M, int NB, bool Stream = true, class Out>   // Stream unused: always a stream
 inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, const float* bias,
                      Out* y, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (K % kLanes == 0) {
+    constexpr int C = NB * M, CP = (C + 7) / 8 * 8, M4 = M / 4 * 4;
+    __m256 s8[CP];
+    float s[CP];
+    for (int j = 0; j < NB; ++j) {
+      const uint16_t* wr = w + (n + j) * K;
+      for (int m = 0; m < M4; m += 4) dot_s8<4>(x + m * K, wr, K, s8 + j * M + m);
+      if constexpr (M % 4 != 0) dot_s8<M % 4>(x + M4 * K, wr, K, s8 + j * M + M4);
+    }
+    for (int i = C; i < CP; ++i) s8[i] = _mm256_setzero_ps();
+    for (int i = 0; i < C; i += 8) lane_sums8(s8 + i, s + i);
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) {
+        float t = s[j * M + m];
+        if (bias) t += bias[n + j];
+        y[m * N + n + j] = Out(t);
+      }
+    return;
+  }
+#endif
   float acc[NB][M][kLanes] = {};
   dot_lanes<M, NB>(x, w, K, n, acc);
   store_rows<M, NB>(acc, n, bias, y, N);
@@ -508,9 +575,66 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
   }
 }
 #else
+// Without AVX512: the same three steps with the same bits, 8 lanes at a time with AVX2 (exp
+// as `exp_ps` computes it, one value at a time past the last whole 8).
+inline float exp_one(float x) {    // `exp_ps`, one lane: the same operations, so the same bits
+  if (!(x >= -87.0f)) return 0.0f;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.0f);
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8_ps(__m256 x) {  // `exp_ps` in 8 lanes: 2^n built in the exponent bits
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  // x >= -87: n >= -126, so 2^n is a normal float and p * 2^n rounds once, as scalef does
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+#endif
+
 inline float scale_visible(float* s, int64_t n, int64_t last, const bool* m, float sc) {
   float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t seen = std::min(n, std::max<int64_t>(0, last));  // columns before `last`
+  const __m256 scale = _mm256_set1_ps(sc), hidden = _mm256_set1_ps(-INFINITY);
+  __m256 top = hidden;
+  for (; j + 8 <= seen; j += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), scale);
+    if (m) {                                         // bools as bytes: seen where nonzero
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + j)));
+      v = _mm256_blendv_ps(hidden, v, _mm256_castsi256_ps(
+                                          _mm256_cmpgt_epi32(b, _mm256_setzero_si256())));
+    }
+    _mm256_storeu_ps(s + j, v);
+    top = _mm256_max_ps(v, top);
+  }
+  float tops[8];
+  _mm256_storeu_ps(tops, top);
+  for (float t : tops) mx = std::max(mx, t);         // max is exact: any order, the same value
+#endif
+  for (; j < n; ++j) {
     s[j] = j >= last || (m && !m[j]) ? -INFINITY : s[j] * sc;
     mx = std::max(mx, s[j]);
   }
@@ -520,19 +644,85 @@ inline float scale_visible(float* s, int64_t n, int64_t last, const bool* m, flo
 inline float exp_lanes(float* s, int64_t n, float mx, const bool* m = nullptr,
                        int64_t last = -1) {
   float lanes[kLanes] = {};
-  int64_t rank = 0;                  // as the AVX512 loop: lane i % 16 for the i-th seen column
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    if (!m) lanes[t % kLanes] += s[t];
-    else if ((last < 0 || t < last) && m[t]) lanes[rank++ % kLanes] += s[t];
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 x = _mm256_set1_ps(mx);
+  for (; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), x)));
+#endif
+  for (; t < n; ++t) s[t] = exp_one(s[t] - mx);
+  t = 0;
+  if (!m) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();   // lanes 0-7 and 8-15
+    for (; t + kLanes <= n; t += kLanes) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(s + t));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(s + t + 8));
+    }
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+#endif
+    for (; t < n; ++t) lanes[t % kLanes] += s[t];
+    return lane_sum(lanes);
   }
+  int64_t rank = 0;                  // as the AVX512 loop: lane i % 16 for the i-th seen column
+  for (; t < n; ++t)
+    if ((last < 0 || t < last) && m[t]) lanes[rank++ % kLanes] += s[t];
   return lane_sum(lanes);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[j, d:d+8*DB] += p[j * ps + t] * v[t, d:d+8*DB] over t < S in increasing t, for the GN
+// rows j (row stride D), in registers: `values_block`'s plan in 8 lanes, the same chain of
+// fused multiply-adds a value, so the same bits. A position none of the GN rows weighs is
+// skipped (`values_block`: so a never-written column's NaN cannot reach a row).
+template <int GN, int DB>
+inline void values8(const float* p, int64_t ps, int64_t S, const uint16_t* v, int64_t D,
+                    int64_t d, float* acc, bool dense) {
+  __m256 a[GN][DB];
+  for (int j = 0; j < GN; ++j)
+    for (int b = 0; b < DB; ++b) a[j][b] = _mm256_loadu_ps(acc + j * D + d + 8 * b);
+  for (int64_t t = 0; t < S; ++t) {
+    bool any = dense;
+    for (int j = 0; j < GN && !any; ++j) any = p[j * ps + t] != 0.0f;
+    if (!any) continue;
+    __m256 vv[DB];
+    for (int b = 0; b < DB; ++b) vv[b] = widen8_bf16(v + t * D + d + 8 * b);
+    for (int j = 0; j < GN; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j * ps + t]);
+      for (int b = 0; b < DB; ++b) a[j][b] = _mm256_fmadd_ps(pj, vv[b], a[j][b]);
+    }
+  }
+  for (int j = 0; j < GN; ++j)
+    for (int b = 0; b < DB; ++b) _mm256_storeu_ps(acc + j * D + d + 8 * b, a[j][b]);
+}
+#endif
 
 inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, const uint16_t* v,
                             int64_t D, float* acc, bool more = false,
                             bool dense = false) {
   if (!more) std::fill(acc, acc + R * D, 0.0f);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {                 // two rows and 32 lanes of D at a time: 8 registers of sums
+    for (int64_t r = 0; r < R; r += 2)
+      for (int64_t d = 0; d < D; d += 32) {
+        const float* pr = p + r * ps;
+        float* ar = acc + r * D;
+        const int64_t blocks = std::min<int64_t>(4, (D - d) / 8);
+        auto rows = [&](auto gn) {
+          constexpr int GN = decltype(gn)::value;
+          switch (blocks) {
+            case 1: values8<GN, 1>(pr, ps, S, v, D, d, ar, dense); break;
+            case 2: values8<GN, 2>(pr, ps, S, v, D, d, ar, dense); break;
+            case 3: values8<GN, 3>(pr, ps, S, v, D, d, ar, dense); break;
+            default: values8<GN, 4>(pr, ps, S, v, D, d, ar, dense); break;
+          }
+        };
+        if (R - r >= 2) rows(std::integral_constant<int, 2>());
+        else rows(std::integral_constant<int, 1>());
+      }
+    return;
+  }
+#endif
   for (int64_t t = 0; t < S; ++t) {
     bool any = false;
     for (int64_t r = 0; r < R; ++r) any |= p[r * ps + t] != 0.0f;
