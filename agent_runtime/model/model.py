@@ -277,8 +277,8 @@ def cache_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     built, on every CPU. Decode steps then attend in C++ over half the bytes, and the C++ step
     runs on pointers (`decode_direct`); prompts of more than one token still attend in fp32
     where CPUs upcast (`Attention.forward`). On a 2-core AMD EPYC with AVX2 only, the default
-    model decoded one row at 1,395-1,465 tokens/s against 965-997 with an fp32 cache (256-token
-    prompt), 867 against 435-502 at 1,500 tokens. Else `attention_dtype`'s."""
+    model decoded one row after a 1,500-token prompt at 1,135-1,658 tokens/s against 574-641
+    with an fp32 cache (bench/RESULTS.md, stop 81). Else `attention_dtype`'s."""
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and _extension() is not None:
         return dtype
     return attention_dtype(dtype, device)
@@ -346,8 +346,8 @@ class Attention(nn.Module):
         ext = _inference_kernels(q)   # inference in bf16: row by row in C++ (the C++ decode
         if ext is not None and T > 1 and UPCAST_CPU:   # step's attention too, so the two agree
             # bitwise), except a prompt's rows where CPUs lack bf16 dot products: PyTorch's fp32
-            # kernel on the bf16 values, widened exactly, ran 4-5x the C++ rows there (1,024
-            # tokens, AVX2: 6.1 ms against 24.3)
+            # kernel on the bf16 values, widened exactly, is faster there (AVX2, a causal prompt
+            # of 1,024 tokens: 5.8 ms against 7.0; 1,500: 11.6 against 21.3)
             q, k, v, ext = q.float(), k.float(), v.float(), None
         if ext is not None:
             out = ext.attention_rows(q.reshape(B, a.num_kv_heads, group, T, a.head_dim),
