@@ -702,8 +702,14 @@ inline void weighted_values(int64_t R, const float* p, int64_t ps, int64_t S, co
                             bool dense = false) {
   if (!more) std::fill(acc, acc + R * D, 0.0f);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0) {                 // two rows and 32 lanes of D at a time: 8 registers of sums
-    for (int64_t r = 0; r < R; r += 2)
+  if (D % 8 == 0) {   // 8 registers of sums: four rows and 16 lanes of D at a time (a value
+    int64_t r = 0;    // widened once for four rows), then two (or one) rows and 32 lanes
+    for (; r + 4 <= R; r += 4)
+      for (int64_t d = 0; d < D; d += 16) {
+        if (D - d >= 16) values8<4, 2>(p + r * ps, ps, S, v, D, d, acc + r * D, dense);
+        else values8<4, 1>(p + r * ps, ps, S, v, D, d, acc + r * D, dense);
+      }
+    for (; r < R; r += 2)
       for (int64_t d = 0; d < D; d += 32) {
         const float* pr = p + r * ps;
         float* ar = acc + r * D;
