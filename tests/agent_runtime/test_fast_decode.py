@@ -515,9 +515,8 @@ def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, tmp_path):
         for rows in range(1, 9):
             x = torch.randn(rows, width, generator=g).bfloat16()
             assert same(avx2_build.rows_linear(x, w, b), portable.rows_linear(x, w, b)), width
-    for kv, group, new, cols, dim in [(2, 2, 1, 1, 64), (2, 2, 1, 300, 64),
-                                              (1, 3, 1, 77, 20), (2, 1, 19, 19, 64),
-                                              (2, 2, 7, 150, 64), (1, 2, 5, 40, 48)]:
+    for kv, group, new, cols, dim in [(2, 2, 1, 1, 64), (2, 2, 1, 300, 64), (1, 3, 1, 77, 20),
+                                      (2, 1, 19, 19, 64), (2, 2, 7, 150, 64), (1, 2, 5, 40, 48)]:
         for masked in (False, True):
             q = torch.randn(2, kv, group, new, dim, generator=g).bfloat16() * 3
             k = torch.randn(2, kv, cols, dim, generator=g).bfloat16()
