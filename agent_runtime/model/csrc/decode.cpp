@@ -56,6 +56,31 @@ inline float bf16_to_float(uint16_t v) {
 inline float widen(uint16_t v) { return bf16_to_float(v); }   // a weight as fp32, exactly
 inline float widen(int8_t v) { return static_cast<float>(v); }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 weights widened to fp32, exactly: bf16 bits << 16, or int8 to int32 to fp32
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// lo[m], hi[m] (lanes 0-7 and 8-15) += x's row m times weight row wr for k < full (a multiple
+// of 16), one fused multiply-add a lane and k, in increasing k
+template <int M, class W>
+inline void fma_lanes(const float* x, const W* wr, int64_t K, int64_t full, __m256 (&lo)[M],
+                      __m256 (&hi)[M]) {
+  for (int64_t k = 0; k < full; k += kLanes) {
+    const __m256 w0 = widen8(wr + k), w1 = widen8(wr + k + 8);
+    for (int m = 0; m < M; ++m) {
+      lo[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[m]);
+      hi[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[m]);
+    }
+  }
+}
+#endif
+
 // The fp32 lanes of NB x M dot products (AVX2, or no vector instructions): lane l of acc[j][m]
 // sums x[m][k] * w[n + j][k] over the k = l (mod 16), in increasing k
 template <int M, int NB, class W>
@@ -63,16 +88,7 @@ inline void dot_lanes(const float* x, const W* w, int64_t K, int64_t n,
                       float (&acc)[NB][M][kLanes]) {
 #if defined(__AVX2__) && defined(__FMA__)
   // AVX2 + FMA (most laptops without AVX512): the 16 lanes as two ymm registers (lanes 0-7 and
-  // 8-15), each weight widened exactly (bf16 bits << 16, or int8 to int32 to fp32), one fused
-  // multiply-add a lane and k: bitwise the portable loop (#else), the partial last block too.
-  auto widen8 = [](const W* p) {
-    if constexpr (std::is_same<W, uint16_t>::value)
-      return _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-    else
-      return _mm256_cvtepi32_ps(
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  };
+  // 8-15), `fma_lanes`: bitwise the portable loop (#else), the partial last block too.
   const int64_t full = K / kLanes * kLanes;
   for (int j = 0; j < NB; ++j) {      // w's rows one after another: one stream (`kBlock`)
     const W* wr = w + (n + j) * K;
@@ -81,13 +97,7 @@ inline void dot_lanes(const float* x, const W* w, int64_t K, int64_t n,
       lo[m] = _mm256_loadu_ps(acc[j][m]);
       hi[m] = _mm256_loadu_ps(acc[j][m] + 8);
     }
-    for (int64_t k = 0; k < full; k += kLanes) {
-      const __m256 w0 = widen8(wr + k), w1 = widen8(wr + k + 8);
-      for (int m = 0; m < M; ++m) {
-        lo[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[m]);
-        hi[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[m]);
-      }
-    }
+    fma_lanes<M>(x, wr, K, full, lo, hi);
     for (int m = 0; m < M; ++m) {
       _mm256_storeu_ps(acc[j][m], lo[m]);
       _mm256_storeu_ps(acc[j][m] + 8, hi[m]);
@@ -279,11 +289,6 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 #else
 using XRow = float;
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 widen8_bf16(const uint16_t* p) {   // 8 bf16 to fp32, exactly
-  return _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
 // out[i] = lane_sum(a_i) for 8 dot products at once, given s8[i] = lanes 0-7 of a_i plus lanes
 // 8-15 (`lane_sum`'s first level): the same pairs added in the same tree, across registers
 // (AVX512's `lane_sums8` in halves), instead of 15 scalar additions a sum. At K = 64
@@ -305,18 +310,12 @@ inline void lane_sums8(const __m256* s8, float* out) {
 }
 
 // s8[m] = lanes 0-7 plus lanes 8-15 of the 16 lanes of x's row m against one weight row (K a
-// multiple of 16): `dot_lanes`' fused multiply-adds, kept in registers
+// multiple of 16): `dot_lanes`' fused multiply-adds (`fma_lanes`), kept in registers
 template <int MB>
 inline void dot_s8(const float* x, const uint16_t* wr, int64_t K, __m256* s8) {
   __m256 lo[MB], hi[MB];
   for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const __m256 w0 = widen8_bf16(wr + k), w1 = widen8_bf16(wr + k + 8);
-    for (int m = 0; m < MB; ++m) {
-      lo[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[m]);
-      hi[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[m]);
-    }
-  }
+  fma_lanes<MB>(x, wr, K, K, lo, hi);
   for (int m = 0; m < MB; ++m) s8[m] = _mm256_add_ps(lo[m], hi[m]);
 }
 #endif
@@ -681,7 +680,7 @@ inline void values8(const float* p, int64_t ps, int64_t S, const uint16_t* v, in
     for (int j = 0; j < GN && !any; ++j) any = p[j * ps + t] != 0.0f;
     if (!any) continue;
     __m256 vv[DB];
-    for (int b = 0; b < DB; ++b) vv[b] = widen8_bf16(v + t * D + d + 8 * b);
+    for (int b = 0; b < DB; ++b) vv[b] = widen8(v + t * D + d + 8 * b);
     for (int j = 0; j < GN; ++j) {
       const __m256 pj = _mm256_set1_ps(p[j * ps + t]);
       for (int b = 0; b < DB; ++b) a[j][b] = _mm256_fmadd_ps(pj, vv[b], a[j][b]);
