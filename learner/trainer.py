@@ -41,7 +41,7 @@ import numpy as np
 import sqlite_utils
 import torch
 
-from agent_runtime.model import MoEModel, load_model
+from agent_runtime.model import MoEModel, load_model, token_logprobs
 from learner.config import TrainerConfig, to_dict
 from learner.grpo import (TrainSample, balance_scale, behaviour_kl, loop_mask, mean_or_nan,
                           policy_loss, token_advantages, token_weights, unlikelihood)
@@ -190,10 +190,9 @@ class Trainer:
         T = [len(samples[i].completion_ids) for i in order]
         temps = torch.tensor([_scale(samples[i].temperature, self.config.temperature)
                               for i, t in zip(order, T) for _ in range(t)], device=dev)
-        logits = out.logits.float() / temps[:, None]                         # [sum T, V]
         target = torch.tensor([t for i in order for t in samples[i].completion_ids],
                               dtype=torch.long, device=dev)
-        lp = logits.log_softmax(-1).gather(-1, target[:, None])[:, 0]        # [sum T]
+        lp = token_logprobs(out.logits, target, temps)                      # [sum T]
         by_sample = dict(zip(order, lp.split(T)))
         flips = [0] * len(samples)
         routed = [0] * len(samples)

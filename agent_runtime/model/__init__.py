@@ -22,6 +22,7 @@ _LAZY = {
     "KVCache": "agent_runtime.model.model",
     "ModelOutput": "agent_runtime.model.model",
     "MoEModel": "agent_runtime.model.model",
+    "token_logprobs": "agent_runtime.model.model",
     "load_tokenizer": "agent_runtime.model.tokenizer",
     "Tokenizer": "agent_runtime.model.tokenizer",
     "ChatTemplate": "agent_runtime.model.chat_template",

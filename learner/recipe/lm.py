@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from agent_runtime.model.model import MoE, MoEModel
+from agent_runtime.model.model import MoE, MoEModel, token_logprobs
 from learner.precision import Bf16Copy, bf16_compute
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -94,8 +93,7 @@ class RouterStats:
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the positions where `mask` is set."""
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                         reduction="none")
+    ce = -token_logprobs(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     m = mask.reshape(-1).float()
     return (ce * m).sum() / m.sum().clamp(min=1.0)
 
@@ -146,7 +144,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
                 else:
                     logits = net(ids).logits
             if c.head_on_mask:
-                loss = F.cross_entropy(logits.float(), targets[mask])
+                loss = -token_logprobs(logits, targets[mask]).mean()
             else:
                 loss = masked_loss(logits, targets, mask)
             aux = stats.aux_loss()

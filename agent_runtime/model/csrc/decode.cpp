@@ -2707,6 +2707,275 @@ std::vector<at::Tensor> attention_train_backward(const at::Tensor&, const at::Te
 }
 #endif
 
+// ---- training: the rotary embedding's backward and the loss's token log-probabilities -------
+namespace {
+// out[i] = exp(z[i] - shift) for i < n (every z[i] <= shift), returns their sum. A training
+// loss's sum: its lanes are added in any order (no decode step compares with these bits).
+inline float exp_shifted(const float* z, int64_t n, float shift, float* out) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 sh = _mm512_set1_ps(shift);
+  for (; i < n; i += kLanes) {
+    const __mmask16 m = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + i), sh));
+    if (out) _mm512_mask_storeu_ps(out + i, m, e);
+    acc = _mm512_mask_add_ps(acc, m, acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#else
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 sh = _mm256_set1_ps(shift);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(z + i), sh));
+    if (out) _mm256_storeu_ps(out + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  for (float l : lanes) total += l;
+#endif
+  for (; i < n; ++i) {
+    const float e = exp_one(z[i] - shift);
+    if (out) out[i] = e;
+    total += e;
+  }
+#endif
+  return total;
+}
+
+// row x [V] (bf16 or fp32) divided by t, in fp32
+template <class T>
+inline void scaled_row(const T* x, int64_t V, float t, float* z) {
+  for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(x[v]) / t;
+}
+}  // namespace
+
+// log p(target[n]) under softmax(logits[n] / temps[n]) for each row n, in fp32, and the rows'
+// log-sum-exp of logits / temps (what the backward needs): logits [N, V] bf16 or fp32. One
+// pass over each row instead of PyTorch's float copy, division, log_softmax and gather, each a
+// pass over [N, V] in fp32 (in a GRPO training step of the default model, ~1,100 scored tokens
+// a micro-batch: 36 MB each).
+std::vector<at::Tensor> token_logprobs(const at::Tensor& logits_, const at::Tensor& target_,
+                                       const at::Tensor& temps_) {
+  RECORD_FUNCTION("apprentice::token_logprobs", std::vector<c10::IValue>({logits_}));
+  TORCH_CHECK(logits_.dim() == 2 && (logits_.scalar_type() == at::kBFloat16 ||
+                                     logits_.scalar_type() == at::kFloat),
+              "token_logprobs: logits [N, V], bf16 or fp32");
+  const int64_t N = logits_.size(0), V = logits_.size(1);
+  TORCH_CHECK(target_.numel() == N && temps_.numel() == N,
+              "token_logprobs: one target and one temperature per row");
+  const at::Tensor logits = logits_.contiguous(), target = target_.to(at::kLong).contiguous();
+  const at::Tensor temps = temps_.to(at::kFloat).contiguous();
+  auto lp = at::empty({N}, logits.options().dtype(at::kFloat));
+  auto lse = at::empty({N}, logits.options().dtype(at::kFloat));
+  const int64_t* tp = target.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(tp[n] >= 0 && tp[n] < V, "token_logprobs: target id out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "token_logprobs", [&] {
+    const scalar_t* xp = logits.data_ptr<scalar_t>();
+    const float* tt = temps.data_ptr<float>();
+    float* lpp = lp.data_ptr<float>();
+    float* lsp = lse.data_ptr<float>();
+    at::parallel_for(0, N, std::max<int64_t>(1, (int64_t{1} << 15) / V), [&](int64_t b, int64_t e) {
+      std::vector<float> z(V);
+      for (int64_t n = b; n < e; ++n) {
+        scaled_row(xp + n * V, V, tt[n], z.data());
+        const float mx = *std::max_element(z.begin(), z.end());
+        lsp[n] = mx + std::log(exp_shifted(z.data(), V, mx, nullptr));
+        lpp[n] = z[tp[n]] - lsp[n];
+      }
+    });
+  });
+  return {lp, lse};
+}
+
+// The gradient of `token_logprobs`' logits: grad[n] * (onehot(target[n]) - softmax(logits[n] /
+// temps[n])) / temps[n], in the logits' dtype (rounded once from fp32)
+at::Tensor token_logprobs_backward(const at::Tensor& grad_, const at::Tensor& logits_,
+                                   const at::Tensor& target_, const at::Tensor& temps_,
+                                   const at::Tensor& lse_) {
+  RECORD_FUNCTION("apprentice::token_logprobs_backward", std::vector<c10::IValue>({logits_}));
+  const int64_t N = logits_.size(0), V = logits_.size(1);
+  const at::Tensor logits = logits_.contiguous(), target = target_.to(at::kLong).contiguous();
+  const at::Tensor temps = temps_.to(at::kFloat).contiguous(), lse = lse_.contiguous();
+  const at::Tensor grad = grad_.to(at::kFloat).contiguous();
+  TORCH_CHECK(grad.numel() == N && lse.numel() == N && target.numel() == N &&
+              temps.numel() == N, "token_logprobs_backward: one value per row");
+  auto out = at::empty({N, V}, logits.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "token_logprobs_bwd", [&] {
+    const scalar_t* xp = logits.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float *tt = temps.data_ptr<float>(), *gp = grad.data_ptr<float>();
+    const float* lsp = lse.data_ptr<float>();
+    const int64_t* tp = target.data_ptr<int64_t>();
+    at::parallel_for(0, N, std::max<int64_t>(1, (int64_t{1} << 15) / V), [&](int64_t b, int64_t e) {
+      std::vector<float> z(V);
+      for (int64_t n = b; n < e; ++n) {
+        scaled_row(xp + n * V, V, tt[n], z.data());
+        exp_shifted(z.data(), V, lsp[n], z.data());           // z = softmax
+        const float g = gp[n] / tt[n];
+        z[tp[n]] -= 1.0f;
+        scalar_t* o = op + n * V;
+        int64_t v = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          const __m512 gv = _mm512_set1_ps(-g);
+          for (; v + kLanes <= V; v += kLanes)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + v),
+                                bf16_round(_mm512_mul_ps(_mm512_loadu_ps(z.data() + v), gv)));
+        }
+#endif
+        for (; v < V; ++v) o[v] = static_cast<scalar_t>(-g * z[v]);
+      }
+    });
+  });
+  return out;
+}
+
+// The gradient of `rope_rows`' x from grad [B, N, T, D] of its output and the same cos and sin:
+// d x [B, T, N, D] as autograd computes it for `qk * cos + rotate_half(qk) * sin` in bf16 (on
+// qk = x transposed): grad * cos and grad * sin each rounded to bf16, rotate_half's transpose
+// of the second (halves swapped, the first half negated), and the two summed and rounded once,
+// so a training step gets the bits of the Python path's backward.
+at::Tensor rope_rows_backward(const at::Tensor& grad, const at::Tensor& cos,
+                              const at::Tensor& sin) {
+  RECORD_FUNCTION("apprentice::rope_rows_backward", std::vector<c10::IValue>({grad}));
+  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+              sin.scalar_type() == at::kBFloat16 && grad.dim() == 4,
+              "rope_rows_backward: grad [B, N, T, D], cos and sin [B, T, D], bf16");
+  const int64_t B = grad.size(0), N = grad.size(1), T = grad.size(2), D = grad.size(3);
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              "rope_rows_backward: cos and sin [B, T, D] with D even");
+  const auto gc = grad.contiguous();
+  const auto cc = cos.reshape({B, T, D}).contiguous(), sc = sin.reshape({B, T, D}).contiguous();
+  auto out = at::empty({B, T, N, D}, grad.options());
+  const auto* gp = reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cc.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t half = D / 2;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(N * D, 1));
+  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      const uint16_t* c = cp + bt * D;
+      const uint16_t* s = sp + bt * D;
+      for (int64_t n = 0; n < N; ++n) {
+        const uint16_t* g = gp + ((b * N + n) * T + t) * D;
+        at::BFloat16* o = op + (bt * N + n) * D;
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        if (half % kLanes == 0) {         // the loop below 16 lanes at a time, the same roundings
+          auto load = [](const uint16_t* p) {
+            return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+          };
+          const __m512 sign = _mm512_set1_ps(-0.0f);
+          for (; d < D; d += kLanes) {
+            const __m512 a = bf16_rounded(_mm512_mul_ps(load(g + d), load(c + d)));
+            const int64_t j = d < half ? d + half : d - half;
+            __m512 r = bf16_rounded(_mm512_mul_ps(load(g + j), load(s + j)));
+            if (d >= half) r = _mm512_xor_ps(r, sign);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round(_mm512_add_ps(a, r)));
+          }
+        }
+#endif
+        for (; d < D; ++d) {
+          const float a = static_cast<float>(at::BFloat16(bf16_to_float(g[d]) * bf16_to_float(c[d])));
+          const int64_t j = d < half ? d + half : d - half;
+          float r = static_cast<float>(at::BFloat16(bf16_to_float(g[j]) * bf16_to_float(s[j])));
+          if (d >= half) r = -r;
+          o[d] = at::BFloat16(a + r);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// The gradients of `rms_norm_rows`' x and weight from grad (x's shape) of its output: what
+// autograd computes for `weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(bf16)`, in
+// fp32 with one rounding at the end (not its bits: autograd rounds grad * weight and each
+// grad * normalized product to bf16 before summing). The weight's gradient sums fixed blocks
+// of rows in a fixed order, so it does not depend on the thread count. Returns (d x bf16,
+// d weight [W, H] fp32).
+std::vector<at::Tensor> rms_norm_rows_backward(const at::Tensor& grad, const at::Tensor& x,
+                                               const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("apprentice::rms_norm_rows_backward", std::vector<c10::IValue>({x}));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+              grad.sizes() == x.sizes(), "rms_norm_rows_backward: bf16 x and weight, grad of x's shape");
+  const int64_t H = x.size(-1), N = x.numel() / std::max<int64_t>(H, 1);
+  const int64_t W = weight.numel() / std::max<int64_t>(H, 1);
+  TORCH_CHECK(weight.size(-1) == H && W >= 1 && W * H == weight.numel(),
+              "rms_norm_rows_backward: weight [W, H]");
+  const auto xc = x.contiguous(), wc = weight.contiguous(), gc = grad.to(at::kBFloat16).contiguous();
+  auto dx = at::empty_like(xc);
+  constexpr int64_t kBlockRows = 256;
+  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
+  std::vector<float> partial(blocks * W * H, 0.0f);
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  const auto* gp = reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>());
+  auto* op = dx.data_ptr<at::BFloat16>();
+  const float e = static_cast<float>(eps), inv_h = 1.0f / static_cast<float>(H);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> gn(H);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      float* gw = partial.data() + blk * W * H;
+      for (int64_t i = blk * kBlockRows; i < std::min(N, (blk + 1) * kBlockRows); ++i) {
+        const uint16_t *xi = xp + i * H, *gi = gp + i * H, *wi = wp + (i % W) * H;
+        float* gwr = gw + (i % W) * H;
+#if defined(__AVX512F__)
+        if (H % kLanes == 0) {            // the loops below 16 lanes at a time
+          auto load = [](const uint16_t* p) {
+            return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+          };
+          __m512 sv = _mm512_setzero_ps(), dv = _mm512_setzero_ps();
+          for (int64_t c = 0; c < H; c += kLanes) sv = _mm512_fmadd_ps(load(xi + c), load(xi + c), sv);
+          const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(sv) * inv_h + e);
+          const __m512 rv = _mm512_set1_ps(r);
+          for (int64_t c = 0; c < H; c += kLanes) {
+            const __m512 xf = load(xi + c), g = load(gi + c);
+            const __m512 n = bf16_rounded(_mm512_mul_ps(xf, rv));
+            _mm512_storeu_ps(gwr + c, _mm512_fmadd_ps(g, n, _mm512_loadu_ps(gwr + c)));
+            const __m512 gnv = bf16_rounded(_mm512_mul_ps(g, load(wi + c)));
+            _mm512_storeu_ps(gn.data() + c, gnv);
+            dv = _mm512_fmadd_ps(gnv, xf, dv);
+          }
+          const __m512 kv = _mm512_set1_ps(r * r * r * _mm512_reduce_add_ps(dv) * inv_h);
+          for (int64_t c = 0; c < H; c += kLanes)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + i * H + c),
+                                bf16_round(_mm512_fnmadd_ps(load(xi + c), kv,
+                                                            _mm512_mul_ps(_mm512_loadu_ps(gn.data() + c), rv))));
+          continue;
+        }
+#endif
+        float ss = 0.0f;
+        for (int64_t c = 0; c < H; ++c) ss += bf16_to_float(xi[c]) * bf16_to_float(xi[c]);
+        const float r = 1.0f / std::sqrt(ss * inv_h + e);
+        float dot = 0.0f;
+        for (int64_t c = 0; c < H; ++c) {
+          const float xf = bf16_to_float(xi[c]), g = bf16_to_float(gi[c]);
+          const float n = static_cast<float>(at::BFloat16(xf * r));
+          gwr[c] += g * n;
+          gn[c] = static_cast<float>(at::BFloat16(g * bf16_to_float(wi[c])));
+          dot += gn[c] * xf;
+        }
+        const float k = r * r * r * dot * inv_h;
+        for (int64_t c = 0; c < H; ++c)
+          op[i * H + c] = at::BFloat16(gn[c] * r - bf16_to_float(xi[c]) * k);
+      }
+    }
+  });
+  auto dw = at::zeros({W, H}, x.options().dtype(at::kFloat));
+  float* dwp = dw.data_ptr<float>();
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    for (int64_t j = 0; j < W * H; ++j) dwp[j] += partial[blk * W * H + j];
+  return {dx, dw};
+}
+
 bool has_train_attention() {
 #if defined(APPRENTICE_TRAIN_ATTENTION)
   return true;
@@ -2746,6 +3015,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_train_backward", &attention_train_backward, "its backward: dq, dk, dv");
   m.def("sample_rows", &sample_rows, "next token and its logprob per row (greedy or sampled)",
         py::arg("logits"), py::arg("temperature"), py::arg("u") = py::none());
+  m.def("rms_norm_rows_backward", &rms_norm_rows_backward,
+        "rms_norm_rows' backward: d x (bf16) and d weight (fp32)");
+  m.def("rope_rows_backward", &rope_rows_backward, "rope_rows' backward: d x from d out");
+  m.def("token_logprobs", &token_logprobs,
+        "log p(target) of each row of logits / temps, and each row's log-sum-exp");
+  m.def("token_logprobs_backward", &token_logprobs_backward, "token_logprobs' d logits");
   m.def("has_amx", &has_amx, "whether AMX tiles serve (built with them, granted by Linux)");
   m.def("has_train_attention", &has_train_attention,
         "whether attention_train serves (AMX tiles or AVX512-BF16)");
