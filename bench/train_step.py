@@ -1,5 +1,7 @@
 """A GRPO training step on real agent episodes: the calls of one conversation sharing a row of
-the training forward (the trainer's default) against one row per call, in one run.
+the training forward (the trainer's default) against one row per call, in one run; or, with
+`--compare kernels`, the training kernels in C++ (`model.TRAIN_KERNELS`: RMSNorm, the rotary
+embedding and the loss's log-probabilities) against the PyTorch operations they replace.
 
 An agent episode is a conversation of many model calls, and each call's prompt is the whole
 conversation so far: fed one row per call, the trainer runs the system prompt and every tool
@@ -13,6 +15,7 @@ training logprobs between the two ways (router replay on), and the speed-up (off
 
     python bench/train_step.py                        # the shipped model, 8 episodes, 3 rounds
     python bench/train_step.py --model DIR -n 4 --max-steps 4 --rounds 2
+    python bench/train_step.py --compare kernels      # C++ kernels against PyTorch's operations
 """
 
 from __future__ import annotations
@@ -55,16 +58,23 @@ def main(argv=None) -> None:
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compare", choices=("rows", "kernels"), default="rows",
+                   help="rows: one row per call against shared rows; kernels: PyTorch's "
+                        "operations against the C++ training kernels (shared rows both ways)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
     import torch
 
     from agent_runtime.model import load_model
+    from agent_runtime.model import model as mm
     from agent_runtime.policies.base import resolve_model_path
     from learner.config import OptimConfig, TrainerConfig
     from learner.trainer import Trainer, _fed_len, _rows
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     home = Path(tempfile.mkdtemp(prefix="apprentice-train-bench-"))
     samples = episodes(args, home / "store")
     fed = {"off": sum(map(_fed_len, samples)),
@@ -74,30 +84,41 @@ def main(argv=None) -> None:
           f"shared rows {fed['on']:,}", flush=True)
     path = resolve_model_path(args.model)
     start = load_model(path, dtype=torch.float32).state_dict()
+    rows = args.compare == "rows"
+    names = {"off": "one row per call", "on": "shared rows"} if rows else \
+        {"off": "PyTorch's operations", "on": "C++ kernels"}
     trainers = {}
-    for share in ("off", "on"):
-        config = TrainerConfig(optim=OptimConfig(lr=1e-6), share_rows=share == "on",
-                               checkpoint_every=0)
-        trainers[share] = Trainer(load_model(path, dtype=torch.float32), home / share, config)
+    for side in ("off", "on"):
+        config = TrainerConfig(optim=OptimConfig(lr=1e-6), share_rows=side == "on" or not rows,
+                               checkpoint_every=0, precision="fp32" if rows else "auto")
+        trainers[side] = Trainer(load_model(path, dtype=torch.float32), home / side, config)
+
+    def use(side: str) -> None:
+        if not rows:
+            mm.TRAIN_KERNELS = side == "on"
+    lp = {}
     with torch.no_grad():
-        lp = {k: torch.cat([o.logprobs for o in t.forward_batch(samples)])
-              for k, t in trainers.items()}
+        for side, t in trainers.items():
+            use(side)
+            lp[side] = torch.cat([o.logprobs for o in t.forward_batch(samples)])
     diff = float((lp["on"] - lp["off"]).abs().max())
     times = {"off": [], "on": []}
     for r in range(args.rounds):
-        for share in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            t = trainers[share]
+        for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            t = trainers[side]
             t.model.load_state_dict(start)
+            use(side)
             t0 = time.perf_counter()
             t.step(samples)
-            times[share].append(time.perf_counter() - t0)
-            print(f"round {r + 1} {share:>3}: {times[share][-1]:.1f}s", flush=True)
+            times[side].append(time.perf_counter() - t0)
+            print(f"round {r + 1} {names[side]}: {times[side][-1]:.1f}s", flush=True)
+    use("on")
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"median step: one row per call {med['off']:.1f}s, shared rows {med['on']:.1f}s; "
+    print(f"median step: {names['off']} {med['off']:.1f}s, {names['on']} {med['on']:.1f}s; "
           f"max |logprob difference| {diff:.2e}")
     if args.json:
         print(json.dumps({"samples": len(samples), "fed": fed, "times": times, "max_diff": diff}))
-    print(f"speed-up (one row per call / shared rows): {med['off'] / med['on']:.2f}x")
+    print(f"speed-up ({names['off']} / {names['on']}): {med['off'] / med['on']:.2f}x")
 
 
 if __name__ == "__main__":

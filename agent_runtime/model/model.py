@@ -174,7 +174,8 @@ PACKED_WIDTH = 1024  # ... except a few rows over wider weights, which stream fa
 # (2 rows over 896 x 4864 from memory: 283 us against 364; the same bits either way)
 FUSED_EXPERTS = True  # ... and the routed experts of at most that many bf16 rows, in one call
 TRAIN_ATTENTION = True  # causal bf16 attention without a KV cache in C++ (`CausalAttention`)
-TRAIN_KERNELS = True  # ... and RMSNorm and the rotary embedding of one (`NormRows`, `Rope`)
+TRAIN_KERNELS = True  # ... and its RMSNorm, rotary embedding and loss (`NormRows`, `Rope`,
+# `token_logprobs`)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -335,8 +336,8 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor,
     rounding, not bitwise); elsewhere PyTorch does."""
     if not torch.is_tensor(temps):
         temps = torch.full((logits.shape[0],), float(temps), device=logits.device)
-    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) \
-            and logits.dim() == 2 and _extension() is not None:
+    if TRAIN_KERNELS and logits.device.type == "cpu" and logits.dim() == 2 \
+            and logits.dtype in (torch.bfloat16, torch.float32) and _extension() is not None:
         return TokenLogprobs.apply(logits, target, temps)
     return (logits.float() / temps[:, None]).log_softmax(-1).gather(-1, target[:, None])[:, 0]
 

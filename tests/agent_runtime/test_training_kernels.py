@@ -130,33 +130,30 @@ def test_token_logprobs_refuse_a_target_out_of_range(built):
 
 
 def test_a_bf16_model_trains_through_the_training_kernels(built, tmp_path, monkeypatch):
-    """A bf16 model's training gradients go through `Rope`, `NormRows` and `token_logprobs`
-    where they serve, and land as close to the fp32 model's as PyTorch's operations take
-    them."""
+    """A bf16 model's training gradients go through `Rope`, `NormRows` and `token_logprobs`'
+    kernel where they serve (`TRAIN_KERNELS`), and land as close to the fp32 model's as
+    PyTorch's operations take them."""
     path = save_hf_checkpoint("qwen3_moe", tmp_path / "m", head_dim=32)
     ids = torch.randint(0, VOCAB, (2, 90), generator=torch.Generator().manual_seed(0))
-    calls = {"rope": 0, "norm": 0}
-    for name, fn in (("rope", mm.Rope), ("norm", mm.NormRows)):
+    calls = {mm.Rope: 0, mm.NormRows: 0, mm.TokenLogprobs: 0}
+    for fn in calls:
         apply = fn.apply
-        monkeypatch.setattr(fn, "apply",
-                            lambda *a, apply=apply, name=name: calls.__setitem__(
-                                name, calls[name] + 1) or apply(*a))
+        monkeypatch.setattr(fn, "apply", lambda *a, apply=apply, fn=fn: calls.__setitem__(
+            fn, calls[fn] + 1) or apply(*a))
 
     def grads(dtype, kernels):
         monkeypatch.setattr(mm, "TRAIN_KERNELS", kernels)
         model = load_model(path, dtype=dtype)
         logits = model(ids).logits[:, :-1]
-        target = ids[:, 1:].reshape(-1)
-        flat = logits.reshape(-1, logits.shape[-1])
-        lp = mm.token_logprobs(flat, target) if kernels else \
-            flat.float().log_softmax(-1).gather(-1, target[:, None])[:, 0]
+        lp = mm.token_logprobs(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         lp.mean().backward()
         return torch.cat([p.grad.double().flatten() for p in model.parameters()])
 
     exact = grads("float32", False)
     pytorch = grads("bfloat16", False)
-    assert calls == {"rope": 0, "norm": 0}
+    assert set(calls.values()) == {0}
     ours = grads("bfloat16", True)
     layers = load_model(path).args.num_layers
-    assert calls["rope"] == layers and calls["norm"] >= 2 * layers + 1
+    assert calls[mm.Rope] == layers and calls[mm.NormRows] >= 2 * layers + 1
+    assert calls[mm.TokenLogprobs] == 1
     assert _relative(ours, exact) < 2 * _relative(pytorch, exact) + 1e-3
