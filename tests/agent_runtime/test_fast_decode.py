@@ -496,14 +496,21 @@ def test_the_avx2_loop_is_a_matmul_and_a_row_alone_is_a_row_in_a_batch(avx2_buil
             _check_steps(monkeypatch, model, direct)
 
 
-def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, tmp_path):
+@pytest.fixture(scope="module")
+def portable_build(built, tmp_path_factory):
+    """The extension without vector instructions past x86-64's (`-march=x86-64`)."""
+    return _build("apprentice_decode_portable_test", "x86-64",
+                  tmp_path_factory.mktemp("portable"))
+
+
+def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, portable_build):
     """Without AVX2 (`-march=x86-64`) the extension runs scalar loops; with it, the same
     arithmetic 8 lanes at a time: the products' lanes summed in registers (`lane_sums8`),
     attention's exp (`exp8_ps` against `exp_one`), its scaling and its weighted values. Their
     outputs are the same bits: matmuls of 1-8 rows (widths whole blocks of 16 or not), and
     attention decoding and prefilling, causal or masked, over 1-300 keys, with head sizes of
     8-lane blocks and not."""
-    portable = _build("apprentice_decode_portable_test", "x86-64", tmp_path)
+    portable = portable_build
     g = torch.Generator().manual_seed(5)
 
     def same(a, b):
@@ -528,6 +535,39 @@ def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, tmp_path):
             args = (q, k, v, mask, not masked, dim ** -0.5)
             assert same(avx2_build.attention_rows(*args), portable.attention_rows(*args)), \
                 (kv, group, new, cols, dim, masked)
+
+
+def test_the_training_kernels_on_avx2_and_without(avx2_build, portable_build):
+    """The training kernels (`rope_rows_backward`, `rms_norm_rows_backward`, `token_logprobs`
+    and its backward) in the AVX2 and the portable builds against this CPU's: the rotary
+    embedding's gradient the same bits (each product and sum rounded as autograd rounds
+    them), RMSNorm's gradients and the log-probabilities equal to fp32 rounding (their sums
+    run in another order)."""
+    native = fast_decode.extension()
+    g = torch.Generator().manual_seed(7)
+    grad = torch.randn(2, 6, 13, 64, generator=g).bfloat16()
+    angles = torch.randn(2, 13, 32, generator=g)
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).bfloat16() for f in (torch.cos, torch.sin))
+    x = torch.randn(300, 64, generator=g).bfloat16()
+    w = (torch.rand(6, 64, generator=g) + 0.5).bfloat16()
+    gx = torch.randn(300, 64, generator=g).bfloat16()
+    logits = (4 * torch.randn(9, 1000, generator=g)).bfloat16()
+    target = torch.randint(0, 1000, (9,), generator=g)
+    temps = torch.rand(9, generator=g) + 0.3
+    up = torch.randn(9, generator=g)
+    ref_rope = native.rope_rows_backward(grad, cos, sin)
+    ref_dx, ref_dw = native.rms_norm_rows_backward(gx, x, w, 1e-6)
+    ref_lp, ref_lse = native.token_logprobs(logits, target, temps)
+    ref_dl = native.token_logprobs_backward(up, logits, target, temps, ref_lse)
+    for ext in (avx2_build, portable_build):
+        assert torch.equal(ext.rope_rows_backward(grad, cos, sin), ref_rope)
+        dx, dw = ext.rms_norm_rows_backward(gx, x, w, 1e-6)
+        assert torch.allclose(dx.float(), ref_dx.float(), rtol=1e-2, atol=1e-2)
+        assert torch.allclose(dw, ref_dw, rtol=1e-4, atol=1e-4)
+        lp, lse = ext.token_logprobs(logits, target, temps)
+        assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+        dl = ext.token_logprobs_backward(up, logits, target, temps, lse)
+        assert torch.allclose(dl.float(), ref_dl.float(), rtol=1e-2, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
