@@ -48,7 +48,8 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class NormRows(torch.autograd.Function):
-    """`norm` of bf16 x with a gradient: `rms_norm_rows` forward (the Python path's bits) and
+    """`norm` of bf16 x with a gradient: `rms_norm_rows` forward (the inference kernel's bits,
+    so a training forward computes its norms as the decode step does) and
     `rms_norm_rows_backward` (fp32, rounded once: not autograd's bits), one pass each where
     PyTorch takes seven operations and their backward (in a GRPO training step of the
     default model, the per-head q/k norms and the block norms took ~15 % of the time)."""
