@@ -1,5 +1,7 @@
 """Fixtures shared by every test folder (a folder's own conftest or module may override one)."""
 
+import os
+
 import pytest
 
 from agent_runtime.store import SessionStore
@@ -27,3 +29,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The C++ extension (`agent_runtime.model.fast_decode`), built for this CPU: a failure
+    under CI, a skip where there is no toolchain."""
+    from agent_runtime.model import fast_decode
+    if fast_decode.extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the C++ extension did not build: {fast_decode._failed}")
+        pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")

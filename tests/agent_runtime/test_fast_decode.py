@@ -21,14 +21,6 @@ NOT_COVERED = {"qwen2_moe": "dense MLP layers", "olmoe": "full-width q/k norm",
                "granitemoe": "router topk_softmax"}
 
 
-@pytest.fixture(scope="module")
-def built():
-    if fast_decode.extension() is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"the C++ decode step did not build: {fast_decode._failed}")
-        pytest.skip(f"no C++ toolchain here: {fast_decode._failed}")
-
-
 def _prompts(*lens):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]

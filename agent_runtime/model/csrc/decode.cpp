@@ -1786,6 +1786,26 @@ inline void rope_row(const uint16_t* xi, const uint16_t* c, const uint16_t* s, i
 }
 }  // namespace
 
+namespace {
+// What `rope_rows` and its backward share: cos and sin checked as [B, T, D] bf16 (D even),
+// then row(bt, c, s) for each position bt = b * T + t, c and s its rows of cos and sin, the
+// positions split over the threads
+template <class Row>
+void rope_positions(const char* name, int64_t B, int64_t T, int64_t N, int64_t D,
+                    const at::Tensor& cos, const at::Tensor& sin, Row row) {
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 &&
+              D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              name, ": cos and sin [B, T, D] bf16 with D even");
+  const auto cc = cos.reshape({B, T, D}).contiguous(), sc = sin.reshape({B, T, D}).contiguous();
+  const auto* cp = reinterpret_cast<const uint16_t*>(cc.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(N * D, 1));
+  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) row(bt, cp + bt * D, sp + bt * D);
+  });
+}
+}  // namespace
+
 // Rotary embedding of q and k in bf16 without autograd, in one pass instead of six
 // operations: x [B, T, N, D] (the N = heads + kv heads of each position), cos and sin
 // [B, T, D]; returns [B, N, T, D] = x * cos + rotate_half(x) * sin with each product and the
@@ -1793,28 +1813,18 @@ inline void rope_row(const uint16_t* xi, const uint16_t* c, const uint16_t* s, i
 // `qk * cos + rotate_half(qk) * sin` on the transposed x.
 at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   RECORD_FUNCTION("apprentice::rope_rows", std::vector<c10::IValue>({x}));
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
-              sin.scalar_type() == at::kBFloat16 && x.dim() == 4,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 4,
               "rope_rows: x [B, T, N, D], cos and sin [B, T, D], bf16");
   const int64_t B = x.size(0), T = x.size(1), N = x.size(2), D = x.size(3);
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
-              "rope_rows: cos and sin [B, T, D] with D even");
   auto xc = x.contiguous();
-  auto cc = cos.reshape({B, T, D}).contiguous(), sc = sin.reshape({B, T, D}).contiguous();
   auto out = at::empty({B, N, T, D}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cc.data_ptr<at::BFloat16>());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(N * D, 1));
-  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t b = bt / T, t = bt % T;
-      const uint16_t* c = cp + bt * D;
-      const uint16_t* s = sp + bt * D;
-      for (int64_t n = 0; n < N; ++n)
-        rope_row(xp + (bt * N + n) * D, c, s, D, op + ((b * N + n) * T + t) * D);
-    }
+  rope_positions("rope_rows", B, T, N, D, cos, sin,
+                 [&](int64_t bt, const uint16_t* c, const uint16_t* s) {
+    const int64_t b = bt / T, t = bt % T;
+    for (int64_t n = 0; n < N; ++n)
+      rope_row(xp + (bt * N + n) * D, c, s, D, op + ((b * N + n) * T + t) * D);
   });
   return out;
 }
@@ -2843,52 +2853,42 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad_, const at::Tensor& lo
 at::Tensor rope_rows_backward(const at::Tensor& grad, const at::Tensor& cos,
                               const at::Tensor& sin) {
   RECORD_FUNCTION("apprentice::rope_rows_backward", std::vector<c10::IValue>({grad}));
-  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
-              sin.scalar_type() == at::kBFloat16 && grad.dim() == 4,
+  TORCH_CHECK(grad.scalar_type() == at::kBFloat16 && grad.dim() == 4,
               "rope_rows_backward: grad [B, N, T, D], cos and sin [B, T, D], bf16");
   const int64_t B = grad.size(0), N = grad.size(1), T = grad.size(2), D = grad.size(3);
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == B * T * D && sin.numel() == B * T * D,
-              "rope_rows_backward: cos and sin [B, T, D] with D even");
   const auto gc = grad.contiguous();
-  const auto cc = cos.reshape({B, T, D}).contiguous(), sc = sin.reshape({B, T, D}).contiguous();
   auto out = at::empty({B, T, N, D}, grad.options());
   const auto* gp = reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cc.data_ptr<at::BFloat16>());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t half = D / 2;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(N * D, 1));
-  at::parallel_for(0, B * T, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t b = bt / T, t = bt % T;
-      const uint16_t* c = cp + bt * D;
-      const uint16_t* s = sp + bt * D;
-      for (int64_t n = 0; n < N; ++n) {
-        const uint16_t* g = gp + ((b * N + n) * T + t) * D;
-        at::BFloat16* o = op + (bt * N + n) * D;
-        int64_t d = 0;
+  rope_positions("rope_rows_backward", B, T, N, D, cos, sin,
+                 [&](int64_t bt, const uint16_t* c, const uint16_t* s) {
+    const int64_t b = bt / T, t = bt % T;
+    for (int64_t n = 0; n < N; ++n) {
+      const uint16_t* g = gp + ((b * N + n) * T + t) * D;
+      at::BFloat16* o = op + (bt * N + n) * D;
+      int64_t d = 0;
 #if defined(__AVX512F__)
-        if (half % kLanes == 0) {         // the loop below 16 lanes at a time, the same roundings
-          auto load = [](const uint16_t* p) {
-            return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-          };
-          const __m512 sign = _mm512_set1_ps(-0.0f);
-          for (; d < D; d += kLanes) {
-            const __m512 a = bf16_rounded(_mm512_mul_ps(load(g + d), load(c + d)));
-            const int64_t j = d < half ? d + half : d - half;
-            __m512 r = bf16_rounded(_mm512_mul_ps(load(g + j), load(s + j)));
-            if (d >= half) r = _mm512_xor_ps(r, sign);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round(_mm512_add_ps(a, r)));
-          }
-        }
-#endif
-        for (; d < D; ++d) {
-          const float a = static_cast<float>(at::BFloat16(bf16_to_float(g[d]) * bf16_to_float(c[d])));
+      if (half % kLanes == 0) {         // the loop below 16 lanes at a time, the same roundings
+        auto load = [](const uint16_t* p) {
+          return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        };
+        const __m512 sign = _mm512_set1_ps(-0.0f);
+        for (; d < D; d += kLanes) {
+          const __m512 a = bf16_rounded(_mm512_mul_ps(load(g + d), load(c + d)));
           const int64_t j = d < half ? d + half : d - half;
-          float r = static_cast<float>(at::BFloat16(bf16_to_float(g[j]) * bf16_to_float(s[j])));
-          if (d >= half) r = -r;
-          o[d] = at::BFloat16(a + r);
+          __m512 r = bf16_rounded(_mm512_mul_ps(load(g + j), load(s + j)));
+          if (d >= half) r = _mm512_xor_ps(r, sign);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round(_mm512_add_ps(a, r)));
         }
+      }
+#endif
+      for (; d < D; ++d) {
+        const float a = static_cast<float>(at::BFloat16(bf16_to_float(g[d]) * bf16_to_float(c[d])));
+        const int64_t j = d < half ? d + half : d - half;
+        float r = static_cast<float>(at::BFloat16(bf16_to_float(g[j]) * bf16_to_float(s[j])));
+        if (d >= half) r = -r;
+        o[d] = at::BFloat16(a + r);
       }
     }
   });
