@@ -2717,7 +2717,7 @@ std::vector<at::Tensor> attention_train_backward(const at::Tensor&, const at::Te
 }
 #endif
 
-// ---- training: the rotary embedding's backward and the loss's token log-probabilities -------
+// ---- training: the loss's token log-probabilities, the rotary embedding's and RMSNorm's backward
 namespace {
 // out[i] = exp(z[i] - shift) for i < n (every z[i] <= shift), returns their sum. A training
 // loss's sum: its lanes are added in any order (no decode step compares with these bits).
