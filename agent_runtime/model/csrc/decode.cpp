@@ -134,6 +134,9 @@ inline float lane_sum(__m512 a) {  // the same tree in registers
 inline __m512 widen_bf16(__m256i h) {  // 16 bf16 to fp32, exactly
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 load_bf16(const uint16_t* p) {  // 16 bf16 from memory, widened exactly
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // 16 fp32 to bf16 as `at::BFloat16(float)` rounds them: to nearest even, NaN to 0x7FC0
 inline __m256i bf16_round(__m512 v) {
@@ -514,7 +517,7 @@ inline void values_block(const float* p, int64_t ps, int64_t S, const uint16_t* 
     const uint16_t* vp = v + t * D + d;
     __m512 vv[DB];
     for (int b = 0; b + 1 < DB; ++b)
-      vv[b] = widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + b * kLanes)));
+      vv[b] = load_bf16(vp + b * kLanes);
     const uint16_t* last = vp + (DB - 1) * kLanes;
     vv[DB - 1] = widen_bf16(full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(last))
                                  : _mm256_maskz_loadu_epi16(mask, last));
@@ -1763,14 +1766,12 @@ inline void rope_row(const uint16_t* xi, const uint16_t* c, const uint16_t* s, i
   const int64_t half = D / 2;
 #if defined(__AVX512F__)
   if (half % kLanes == 0) {           // the loop below 16 lanes at a time, the same roundings
-    auto load = [](const uint16_t* p) {
-      return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    };
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t d = 0; d < D; d += kLanes) {
-      const __m512 r = d < half ? _mm512_xor_ps(load(xi + d + half), sign) : load(xi + d - half);
-      const __m512 a = bf16_rounded(_mm512_mul_ps(load(xi + d), load(c + d)));
-      const __m512 e = bf16_rounded(_mm512_mul_ps(r, load(s + d)));
+      const __m512 r = d < half ? _mm512_xor_ps(load_bf16(xi + d + half), sign)
+                                : load_bf16(xi + d - half);
+      const __m512 a = bf16_rounded(_mm512_mul_ps(load_bf16(xi + d), load_bf16(c + d)));
+      const __m512 e = bf16_rounded(_mm512_mul_ps(r, load_bf16(s + d)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round(_mm512_add_ps(a, e)));
     }
     return;
@@ -1782,6 +1783,34 @@ inline void rope_row(const uint16_t* xi, const uint16_t* c, const uint16_t* s, i
     const float a = static_cast<float>(at::BFloat16(v * bf16_to_float(c[d])));
     const float e = static_cast<float>(at::BFloat16(r * bf16_to_float(s[d])));
     o[d] = at::BFloat16(a + e);
+  }
+}
+
+// `rope_row`'s backward as autograd computes it: from g (d o, one row of D) d x = g * c +
+// rotate_half's transpose of g * s (halves swapped, the first half negated), each product and
+// the sum rounded to bf16
+inline void rope_row_backward(const uint16_t* g, const uint16_t* c, const uint16_t* s,
+                              int64_t D, at::BFloat16* o) {
+  const int64_t half = D / 2;
+#if defined(__AVX512F__)
+  if (half % kLanes == 0) {           // the loop below 16 lanes at a time, the same roundings
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const __m512 a = bf16_rounded(_mm512_mul_ps(load_bf16(g + d), load_bf16(c + d)));
+      const int64_t j = d < half ? d + half : d - half;
+      __m512 r = bf16_rounded(_mm512_mul_ps(load_bf16(g + j), load_bf16(s + j)));
+      if (d >= half) r = _mm512_xor_ps(r, sign);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round(_mm512_add_ps(a, r)));
+    }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = static_cast<float>(at::BFloat16(bf16_to_float(g[d]) * bf16_to_float(c[d])));
+    const int64_t j = d < half ? d + half : d - half;
+    float r = static_cast<float>(at::BFloat16(bf16_to_float(g[j]) * bf16_to_float(s[j])));
+    if (d >= half) r = -r;
+    o[d] = at::BFloat16(a + r);
   }
 }
 }  // namespace
@@ -2653,8 +2682,7 @@ std::vector<at::Tensor> attention_train_backward(const at::Tensor& dout_, const 
           const uint16_t* d = da.data() + m * D;
           __m512 acc = _mm512_setzero_ps();
           for (int64_t j = 0; j < D; j += 16)
-            acc = _mm512_fmadd_ps(widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + j))),
-                                  widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + j))), acc);
+            acc = _mm512_fmadd_ps(load_bf16(o + j), load_bf16(d + j), acc);
           di[m] = _mm512_reduce_add_ps(acc);
         }
         tile_mm(rows, a.data(), D, kt.data(), Sp, L, D, s.data(), Lp, false);     // scores
@@ -2860,37 +2888,11 @@ at::Tensor rope_rows_backward(const at::Tensor& grad, const at::Tensor& cos,
   auto out = at::empty({B, T, N, D}, grad.options());
   const auto* gp = reinterpret_cast<const uint16_t*>(gc.data_ptr<at::BFloat16>());
   auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t half = D / 2;
   rope_positions("rope_rows_backward", B, T, N, D, cos, sin,
                  [&](int64_t bt, const uint16_t* c, const uint16_t* s) {
     const int64_t b = bt / T, t = bt % T;
-    for (int64_t n = 0; n < N; ++n) {
-      const uint16_t* g = gp + ((b * N + n) * T + t) * D;
-      at::BFloat16* o = op + (bt * N + n) * D;
-      int64_t d = 0;
-#if defined(__AVX512F__)
-      if (half % kLanes == 0) {         // the loop below 16 lanes at a time, the same roundings
-        auto load = [](const uint16_t* p) {
-          return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        };
-        const __m512 sign = _mm512_set1_ps(-0.0f);
-        for (; d < D; d += kLanes) {
-          const __m512 a = bf16_rounded(_mm512_mul_ps(load(g + d), load(c + d)));
-          const int64_t j = d < half ? d + half : d - half;
-          __m512 r = bf16_rounded(_mm512_mul_ps(load(g + j), load(s + j)));
-          if (d >= half) r = _mm512_xor_ps(r, sign);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round(_mm512_add_ps(a, r)));
-        }
-      }
-#endif
-      for (; d < D; ++d) {
-        const float a = static_cast<float>(at::BFloat16(bf16_to_float(g[d]) * bf16_to_float(c[d])));
-        const int64_t j = d < half ? d + half : d - half;
-        float r = static_cast<float>(at::BFloat16(bf16_to_float(g[j]) * bf16_to_float(s[j])));
-        if (d >= half) r = -r;
-        o[d] = at::BFloat16(a + r);
-      }
-    }
+    for (int64_t n = 0; n < N; ++n)
+      rope_row_backward(gp + ((b * N + n) * T + t) * D, c, s, D, op + (bt * N + n) * D);
   });
   return out;
 }
@@ -2929,26 +2931,27 @@ std::vector<at::Tensor> rms_norm_rows_backward(const at::Tensor& grad, const at:
         float* gwr = gw + (i % W) * H;
 #if defined(__AVX512F__)
         if (H % kLanes == 0) {            // the loops below 16 lanes at a time
-          auto load = [](const uint16_t* p) {
-            return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-          };
           __m512 sv = _mm512_setzero_ps(), dv = _mm512_setzero_ps();
-          for (int64_t c = 0; c < H; c += kLanes) sv = _mm512_fmadd_ps(load(xi + c), load(xi + c), sv);
+          for (int64_t c = 0; c < H; c += kLanes) {
+            const __m512 xf = load_bf16(xi + c);
+            sv = _mm512_fmadd_ps(xf, xf, sv);
+          }
           const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(sv) * inv_h + e);
           const __m512 rv = _mm512_set1_ps(r);
           for (int64_t c = 0; c < H; c += kLanes) {
-            const __m512 xf = load(xi + c), g = load(gi + c);
+            const __m512 xf = load_bf16(xi + c), g = load_bf16(gi + c);
             const __m512 n = bf16_rounded(_mm512_mul_ps(xf, rv));
             _mm512_storeu_ps(gwr + c, _mm512_fmadd_ps(g, n, _mm512_loadu_ps(gwr + c)));
-            const __m512 gnv = bf16_rounded(_mm512_mul_ps(g, load(wi + c)));
+            const __m512 gnv = bf16_rounded(_mm512_mul_ps(g, load_bf16(wi + c)));
             _mm512_storeu_ps(gn.data() + c, gnv);
             dv = _mm512_fmadd_ps(gnv, xf, dv);
           }
           const __m512 kv = _mm512_set1_ps(r * r * r * _mm512_reduce_add_ps(dv) * inv_h);
-          for (int64_t c = 0; c < H; c += kLanes)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + i * H + c),
-                                bf16_round(_mm512_fnmadd_ps(load(xi + c), kv,
-                                                            _mm512_mul_ps(_mm512_loadu_ps(gn.data() + c), rv))));
+          for (int64_t c = 0; c < H; c += kLanes) {       // gn * r - x * k
+            const __m512 d = _mm512_fnmadd_ps(load_bf16(xi + c), kv,
+                                              _mm512_mul_ps(_mm512_loadu_ps(gn.data() + c), rv));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + i * H + c), bf16_round(d));
+          }
           continue;
         }
 #endif
