@@ -27,14 +27,23 @@ def newest_model(recipe_dir: Path) -> Path:
     raise FileNotFoundError(f"{recipe_dir}: no trained model (none of {', '.join(MODEL_STAGES)}/model)")
 
 
+def _without_histories(value):
+    """`value` with every DROPPED key taken out, at any depth (a GRPO stage of several
+    runs keeps each run's metrics, history included, in a list)."""
+    if isinstance(value, dict):
+        return {k: _without_histories(v) for k, v in value.items() if k not in DROPPED}
+    if isinstance(value, list):
+        return [_without_histories(v) for v in value]
+    return value
+
+
 def summary(recipe_dir: Path) -> dict:
     """Each finished stage's metrics without their histories and configs."""
     out = {}
     for stage in STAGES:
         path = recipe_dir / stage / "metrics.json"
         if path.exists():
-            metrics = json.loads(path.read_text())
-            out[stage] = {k: v for k, v in metrics.items() if k not in DROPPED}
+            out[stage] = _without_histories(json.loads(path.read_text()))
     return out
 
 

@@ -89,6 +89,10 @@ class GRPOStageConfig:
     runs: int = 1                   # independent runs from the start, run i on the pool of
                                     # task_seed + i (each with `steps` and `max_seconds`); the
                                     # stage's model is the mean of their models (WARP's merge)
+    start_share: float = 0.0        # the start's weight in that mean, the runs sharing the
+                                    # rest (WARP's interpolation towards the initialization;
+                                    # 0: the runs' mean alone). A run's update halved keeps
+                                    # what its steps agree on and loses less than it gains
 
 
 @dataclass
@@ -366,9 +370,11 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
     g = config.grpo
     if g.runs < 1:
         raise ValueError(f"grpo.runs must be at least 1, not {g.runs}")
+    if not 0 <= g.start_share < 1:
+        raise ValueError(f"grpo.start_share is a share in [0, 1), not {g.start_share}")
     device = pick_device(g.device)
     start = _start(out)
-    if g.runs == 1:
+    if g.runs == 1 and not g.start_share:
         return _grpo_run(g, start, out / "grpo", device, log)
     base = g.seed if g.task_seed is None else g.task_seed
     runs = []
@@ -384,10 +390,13 @@ def _grpo(out: Path, config: RecipeConfig, log) -> dict:
                             device, lambda row, i=i: log({"run": i, **row}))
         write_json(done, metrics)
         runs.append(metrics)
-    average_checkpoints([out / "grpo" / f"run{i}" / "model" for i in range(g.runs)],
-                        out / "grpo" / "model")
-    log({"averaged_runs": g.runs})
-    return {"runs": runs, "device": device,
+    parts = [out / "grpo" / f"run{i}" / "model" for i in range(g.runs)]
+    weights = [(1 - g.start_share) / g.runs] * g.runs
+    if g.start_share:
+        parts, weights = parts + [start], weights + [g.start_share]
+    average_checkpoints(parts, out / "grpo" / "model", weights)
+    log({"averaged_runs": g.runs, "start_share": g.start_share})
+    return {"runs": runs, "device": device, "start_share": g.start_share,
             **{k: sum(r[k] for r in runs) for k in ("steps", "episodes_trained", "wall_s")}}
 
 

@@ -863,11 +863,12 @@ def test_set_overrides_one_field_of_the_recipe_by_its_type():
     from learner.recipe import default_recipe
     from learner.recipe.stages import override
     c = default_recipe()
-    for setting in ("grpo.lr=1e-4", "grpo.max_skipped=4", "sft.train.max_seconds=3300",
+    assert c.grpo.lr != 3e-5 and c.grpo.max_skipped != 6
+    for setting in ("grpo.lr=3e-5", "grpo.max_skipped=6", "sft.train.max_seconds=3300",
                     "grpo.curriculum=false", "grpo.trainable=\\.mlp\\.experts\\.,lm_head",
                     "grpo.task_seed=none"):
         override(c, setting)
-    assert c.grpo.lr == 1e-4 and c.grpo.max_skipped == 4 and c.grpo.curriculum is False
+    assert c.grpo.lr == 3e-5 and c.grpo.max_skipped == 6 and c.grpo.curriculum is False
     assert c.sft.train.max_seconds == 3300.0 and c.grpo.task_seed is None
     assert c.grpo.trainable == ("\\.mlp\\.experts\\.", "lm_head")
     for bad, says in (("grpo.lrr=1", "no field 'lrr'"), ("gpro.lr=1", "not a section"),

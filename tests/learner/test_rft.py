@@ -1,6 +1,7 @@
 """Expert iteration (`learner.recipe.rft`): only honest passes become training sequences, the
 way the model wrote them; each round fine-tunes the last round's model and resumes."""
 
+import json
 import shutil
 import sqlite3
 from dataclasses import replace
@@ -16,6 +17,7 @@ from learner.recipe.lm import LMConfig
 from learner.recipe.pretrain import ModelShape, copy_tokenizer, init_model
 from learner.recipe.rft import RFTConfig, collect, run
 from learner.recipe.sft import RecordingOracle, load_sequences, save_sequences
+from learner.recipe.ship import summary
 from learner.recipe.stages import MissingStage, _start, run_recipe
 from learner.tasks import generate
 
@@ -166,4 +168,35 @@ def test_the_grpo_stage_averages_independent_runs_on_different_pools_and_resumes
     (out / "grpo" / "metrics.json").unlink()
     config.grpo = replace(config.grpo, runs=0)
     with pytest.raises(ValueError, match="grpo.runs must be at least 1"):
+        run_recipe(out, config, ("grpo",), log=lambda line: None)
+
+
+def test_the_grpo_stage_takes_the_mean_of_its_run_and_its_start(model_dir, tmp_path):
+    out = tmp_path / "recipe"
+    shutil.copytree(model_dir, out / "sft" / "model")
+    config = toy_recipe()
+    config.grpo = replace(config.grpo, start_share=0.25)
+    results = run_recipe(out, config, ("grpo",), log=lambda line: None)["grpo"]
+    assert results["start_share"] == 0.25 and len(results["runs"]) == 1
+    assert (out / "grpo" / "run0" / "metrics.json").exists()
+    # a toy model's groups all fail, so its run leaves the weights as they were: move the
+    # run's model, and a rerun of the stage keeps it and weighs it 3 to the start's 1
+    run = load_model(out / "grpo" / "run0" / "model")
+    with torch.no_grad():
+        for p in run.parameters():
+            p.add_(0.5)
+    save_model(run, out / "grpo" / "run0" / "model")
+    (out / "grpo" / "metrics.json").unlink()
+    run_recipe(out, config, ("grpo",), log=lambda line: None)
+    start = load_model(out / "sft" / "model").state_dict()
+    ran = load_model(out / "grpo" / "run0" / "model").state_dict()
+    for k, v in load_model(out / "grpo" / "model").state_dict().items():
+        want = (0.75 * ran[k].float() + 0.25 * start[k].float()).to(v.dtype)
+        assert torch.equal(v, want), k
+    record = summary(out)["grpo"]                       # what `ship` writes to recipe.json
+    assert record["start_share"] == 0.25 and record["runs"][0]["steps"] >= 1
+    assert "history" not in json.dumps(record)
+    (out / "grpo" / "metrics.json").unlink()
+    config.grpo = replace(config.grpo, start_share=1.0)
+    with pytest.raises(ValueError, match=r"grpo.start_share is a share in \[0, 1\)"):
         run_recipe(out, config, ("grpo",), log=lambda line: None)
