@@ -91,8 +91,8 @@ class GRPOStageConfig:
                                     # stage's model is the mean of their models (WARP's merge)
     start_share: float = 0.0        # the start's weight in that mean, the runs sharing the
                                     # rest (WARP's interpolation towards the initialization;
-                                    # 0: the runs' mean alone). A run's update halved keeps
-                                    # what its steps agree on and loses less than it gains
+                                    # 0: the runs' mean alone; RUNS.md, "The same twenty
+                                    # minutes twice more")
 
 
 @dataclass
