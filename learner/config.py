@@ -103,6 +103,11 @@ class RolloutConfig:
                                     # GuidePolicy`; LUFFY's off-policy guidance): the group
                                     # then holds a pass its failures rank below. Sim only, groups
                                     # not oracle-started; 0: off
+    stop_after_failed_checks: int = 0  # end an episode at this many failed checks after its
+                                    # first change (`learner.rollout.FailedChecks`): the default
+                                    # model passed after one in 1 of 428 passing GRPO episodes,
+                                    # so a failure's flailing after it is rollout and training
+                                    # work that ranks nothing but itself. Not guides; 0: off
 
 
 @dataclass

@@ -69,7 +69,8 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     eps = run_episodes((lambda t: OracleStart(t, policy, start)) if start else (lambda _t: policy),
                        [task] * config.group_size, store,
                        concurrency=config.concurrency, max_steps=config.max_steps,
-                       should_stop=should_stop)
+                       should_stop=should_stop,
+                       stop_after_failed_checks=config.stop_after_failed_checks)
     group = Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
                                     bool(e.passed)) for e in eps],
                   [store.samples(e.session_id) for e in eps], start)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from agent_runtime.agent import Agent, AgentConfig, Callbacks
+from agent_runtime.agent import Agent, AgentConfig, Callbacks, ToolOutcome
 from agent_runtime.names import ORIGIN_ROLLOUT
 from learner.tasks import TaskInstance, grade
 from learner.tasks.grading import Grade, make_sandbox, sandbox_config
@@ -47,11 +47,37 @@ class Episode:
     tests_share: float | None = None           # share of the tests run that passed (`Grade`)
 
 
+class FailedChecks:
+    """An episode's failed checks after its first change, as its tool calls end
+    (`Callbacks.on_tool_end`): a check is a call whose result has an exit code (a command);
+    it failed when the code is not 0 or it timed out; a change is any other successful call
+    of a tool that mutates (an edit, a write). Commands that fail before the first change
+    are the task's own failures being looked at, not counted. `reached()` turns true at
+    `limit` failed checks (never with `limit` 0)."""
+
+    def __init__(self, limit: int, mutating: set[str]):
+        self.limit, self.mutating = limit, mutating
+        self.changed = False
+        self.failed = 0
+
+    def __call__(self, call: Any, outcome: ToolOutcome) -> None:
+        data = outcome.data or {}
+        if "exit_code" in data or "timed_out" in data:
+            if self.changed and (data.get("timed_out") or data.get("exit_code") not in (0, None)):
+                self.failed += 1
+        elif outcome.ok and call.name in self.mutating:
+            self.changed = True
+
+    def reached(self) -> bool:
+        return 0 < self.limit <= self.failed
+
+
 def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = None,
                 max_steps: int = 20, sandbox=None, agent_config: AgentConfig | None = None,
                 tools: list | None = None, keep_workspace: bool = False,
                 origin: str = ORIGIN_ROLLOUT,
-                should_stop: Callable[[], bool] | None = None) -> Episode:
+                should_stop: Callable[[], bool] | None = None,
+                stop_after_failed_checks: int = 0) -> Episode:
     """One graded agent run of `policy` on `task`; the reward is recorded in `store`.
 
     The session is marked with `origin` ("rollout", or "eval" for evaluations): never
@@ -61,7 +87,9 @@ def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = Non
     `workdir`: where the temporary workspace is made (default: the system's temp folder).
     `should_stop`: once it turns true the episode ends at its next check (inside a model
     call, between tool calls: the agent's cancel, status "cancelled"); the workspace is
-    graded as it was left."""
+    graded as it was left. `stop_after_failed_checks` > 0 ends it the same way at that many
+    failed checks after its first change (`FailedChecks`; `RolloutConfig.
+    stop_after_failed_checks`)."""
     from agent_runtime.sandbox import SandboxConfig
     start = time.monotonic()
     config = sandbox_config(task, sandbox if sandbox is not None else SandboxConfig())
@@ -79,11 +107,15 @@ def run_episode(policy, task: TaskInstance, store, *, workdir: Path | None = Non
         if tools is None:
             from agent_runtime.tools.registry import default_tools
             tools = default_tools()
+        checks = FailedChecks(stop_after_failed_checks, {t.name for t in tools if t.mutates})
+        stop = should_stop
+        if stop_after_failed_checks > 0:
+            stop = lambda: checks.reached() or (should_stop is not None and should_stop())
         agent = Agent(policy, tools=tools, store=store, workspace=workspace,
                       config=replace(agent_config or AgentConfig(max_steps=max_steps),
                                      origin=origin),
-                      callbacks=Callbacks(on_sample=count), sandbox=box,
-                      should_stop=should_stop)
+                      callbacks=Callbacks(on_sample=count, on_tool_end=checks), sandbox=box,
+                      should_stop=stop)
         result = agent.run(task.instruction)
         graded = grade(task, workspace, sandbox=config,
                        transcript=store.tool_calls(result.session_id))

@@ -76,6 +76,8 @@ class GRPOStageConfig:
     guide_weight: float = 1.0       # weight of a guide token's term (`LossConfig.guide_weight`)
     guide_shaping: float = 0.0      # gamma of LUFFY's shaping of a guide token's term,
                                     # p / (p + gamma) (`LossConfig.guide_shaping`; 0: off)
+    stop_after_failed_checks: int = 0  # end an episode at this many failed checks after
+                                    # its first change (`RolloutConfig.stop_after_failed_checks`)
     kl_coef: float = 0.0            # weight of a k3 KL penalty to the stage's starting weights
                                     # (`LossConfig.kl_coef`; 0: off, no reference model kept)
     balance: bool = False           # a step's negative-advantage tokens weigh what its positive
@@ -329,7 +331,8 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
         rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers, partial_credit=g.partial_credit,
-                                 oracle_start=g.oracle_start, guide=g.guide),
+                                 oracle_start=g.oracle_start, guide=g.guide,
+                                 stop_after_failed_checks=g.stop_after_failed_checks),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
                                    seed=g.seed, curriculum=g.curriculum,
                                    max_skipped=g.max_skipped, revisit=g.revisit,

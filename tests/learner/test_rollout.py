@@ -145,6 +145,25 @@ def test_a_failure_that_breaks_less_earns_more_partial_credit_and_cheats_none(st
         [0.5 * passed / run, 0.0, 0.0, 1.0]
 
 
+def test_an_episode_can_end_at_its_first_failed_check_after_a_change(store, tasks):
+    """`stop_after_failed_checks`: a command failing after the episode changed a file ends
+    it (status "cancelled", graded as left); one failing before any change does not count,
+    and without the limit the episode plays on."""
+    task = tasks[2]
+    fail = call("run_command", command="python -c 'import sys; sys.exit(3)'")
+    script = [fail, call("write_file", path="notes.txt", content="looked\n"), call("list_files"),
+              fail, call("list_files"), call("finish", summary="done")]
+    cut = run_episode(ReplayPolicy(script), task, store, stop_after_failed_checks=1)
+    assert cut.status == "cancelled" and cut.steps == 4
+    assert [c["name"] for c in store.tool_calls(cut.session_id)] == \
+        ["run_command", "write_file", "list_files", "run_command"]
+    assert len(rewards(store, cut.session_id)) == 1 and not cut.passed
+    whole = run_episode(ReplayPolicy(script), task, store)
+    assert whole.status == "finished" and whole.steps == 6
+    twice = run_episode(ReplayPolicy(script), task, store, stop_after_failed_checks=2)
+    assert twice.status == "finished" and twice.steps == 6
+
+
 class Remembering(ReplayPolicy):
     """A replay policy that, like `EnginePolicy`, is told which message each call became."""
 
