@@ -104,10 +104,11 @@ class RolloutConfig:
                                     # then holds a pass its failures rank below. Sim only, groups
                                     # not oracle-started; 0: off
     stop_after_failed_checks: int = 0  # end an episode at this many failed checks after its
-                                    # first change (`learner.rollout.FailedChecks`): the default
-                                    # model passed after one in 1 of 428 passing GRPO episodes,
-                                    # so a failure's flailing after it is rollout and training
-                                    # work that ranks nothing but itself. Not guides; 0: off
+                                    # first change (`learner.rollout.FailedChecks`): of the
+                                    # default model's 428 passes in a GRPO run, one had a failed
+                                    # check after a change, so what a failure does after one is
+                                    # work that teaches nothing (RUNS.md, "Episodes cut at their
+                                    # first failed check"). Not guides; 0: off
 
 
 @dataclass
