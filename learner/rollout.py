@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from agent_runtime.agent import Agent, AgentConfig, Callbacks, ToolOutcome
 from agent_runtime.names import ORIGIN_ROLLOUT
+from learner.sentiment import CHECK_COMMAND
 from learner.tasks import TaskInstance, grade
 from learner.tasks.grading import Grade, make_sandbox, sandbox_config
 
@@ -49,11 +50,13 @@ class Episode:
 
 class FailedChecks:
     """An episode's failed checks after its first change, as its tool calls end
-    (`Callbacks.on_tool_end`): a check is a call whose result has an exit code (a command);
-    it failed when the code is not 0 or it timed out; a change is any other successful call
-    of a tool that mutates (an edit, a write). Commands that fail before the first change
-    are the task's own failures being looked at, not counted. `reached()` turns true at
-    `limit` failed checks (never with `limit` 0)."""
+    (`Callbacks.on_tool_end`): a check is a command that runs code or tests
+    (`learner.sentiment.CHECK_COMMAND`, what the session signals count as one; a command
+    that only looks, `grep` or `ls`, may fail for the answer it gives), failed when its exit
+    code is not 0 or it timed out; a change is a successful call of any other tool that
+    mutates (an edit, a write). Commands that fail before the first change are the task's own
+    failures being looked at, not counted. `reached()` turns true at `limit` failed checks
+    (never with `limit` 0)."""
 
     def __init__(self, limit: int, mutating: set[str]):
         self.limit, self.mutating = limit, mutating
@@ -63,7 +66,9 @@ class FailedChecks:
     def __call__(self, call: Any, outcome: ToolOutcome) -> None:
         data = outcome.data or {}
         if "exit_code" in data or "timed_out" in data:
-            if self.changed and (data.get("timed_out") or data.get("exit_code") not in (0, None)):
+            command = str((call.arguments or {}).get("command", "")).strip()
+            if self.changed and CHECK_COMMAND.search(command) and (
+                    data.get("timed_out") or data.get("exit_code") not in (0, None)):
                 self.failed += 1
         elif outcome.ok and call.name in self.mutating:
             self.changed = True

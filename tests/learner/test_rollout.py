@@ -146,17 +146,20 @@ def test_a_failure_that_breaks_less_earns_more_partial_credit_and_cheats_none(st
 
 
 def test_an_episode_can_end_at_its_first_failed_check_after_a_change(store, tasks):
-    """`stop_after_failed_checks`: a command failing after the episode changed a file ends
-    it (status "cancelled", graded as left); one failing before any change does not count,
-    and without the limit the episode plays on."""
+    """`stop_after_failed_checks`: a check (a command that runs code) failing after the
+    episode changed a file ends it (status "cancelled", graded as left); one failing before
+    any change does not count, nor does a search that finds nothing, and without the limit
+    the episode plays on."""
     task = tasks[2]
     fail = call("run_command", command="python -c 'import sys; sys.exit(3)'")
-    script = [fail, call("write_file", path="notes.txt", content="looked\n"), call("list_files"),
+    script = [fail, call("write_file", path="notes.txt", content="looked\n"),
+              call("run_command", command="grep -rq no_such_name ."),
               fail, call("list_files"), call("finish", summary="done")]
     cut = run_episode(ReplayPolicy(script), task, store, stop_after_failed_checks=1)
     assert cut.status == "cancelled" and cut.steps == 4
     assert [c["name"] for c in store.tool_calls(cut.session_id)] == \
-        ["run_command", "write_file", "list_files", "run_command"]
+        ["run_command", "write_file", "run_command", "run_command"]
+    assert store.tool_calls(cut.session_id)[2]["data"]["exit_code"] == 1
     assert len(rewards(store, cut.session_id)) == 1 and not cut.passed
     whole = run_episode(ReplayPolicy(script), task, store)
     assert whole.status == "finished" and whole.steps == 6
