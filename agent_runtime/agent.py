@@ -69,6 +69,15 @@ class AgentConfig:
                                                # calls that can run: valid JSON, known tools
                                                # and arguments, existing paths, `old` text
                                                # from the file (agent_runtime.callgrammar)
+    check_references: bool = False             # with constrain_calls, also hold what a call
+                                               # names to the workspace (the paths it reads
+                                               # exist, edit_file's `old` is in the file and
+                                               # its `new` differs). Off: the calls' form only,
+                                               # and a call naming what is not there fails with
+                                               # the tool's error; on the default model the
+                                               # same pass@1, and no edit forced into a file the
+                                               # model did not mean (README, "Tool calls that
+                                               # can run")
     mentions: bool | None = None               # append where the task's names are defined
                                                # (agent_runtime.mentions); None: when the
                                                # policy was trained with it (`policy.mentions`)
@@ -248,7 +257,8 @@ class Agent:
         self.steps += 1
         held = {}
         if self.grammar is not None:          # the workspace as it is now
-            held = {"grammar": self.grammar.at(WorkspaceView(self.workspace))}
+            held = {"grammar": self.grammar.at(WorkspaceView(self.workspace)
+                                               if self.config.check_references else None)}
         completion = self.policy.complete(
             self.context.messages, self.schemas, max_new_tokens=self.config.max_new_tokens,
             on_text=self.callbacks.on_text, should_stop=self.stopping, **held)

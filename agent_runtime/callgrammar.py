@@ -17,7 +17,11 @@ which next tokens keep it inside that language, and the generator (`model.genera
       that argument ARG names (edit_file's `old`); "differs:ARG" not equal to argument ARG
     - no end-of-turn token inside a block
 
-Paths and file text are checked against the workspace on disk as it is when the call starts
+The agent loop hands the grammar no workspace by default (`AgentConfig.check_references`
+off), so it holds the form and leaves what a call names to the tool: with the default model
+the workspace checks bought no solved task and walked refused paths and no-op edits into
+files the model did not mean (README, "Only the form, by default"). With a workspace view,
+paths and file text are checked against the workspace on disk as it is when the call starts
 (directories are listed lazily, one `listdir` each). An editor's unsaved buffers are not seen;
 the ACP bridge's tools carry no `references`, so there only the form is held. Everything is
 checked on bytes, so a token may end inside a UTF-8 character. This module decides what is well formed; it neither samples (the generator

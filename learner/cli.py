@@ -123,9 +123,11 @@ def export_tasks(out_dir: Path, split: str, n: int, seed: int, families: str | N
 @click.option("--sandbox", type=click.Choice(["auto", "off", "require"]), default=None,
               help="Run commands in bubblewrap (default: $APPRENTICE_SANDBOX, else auto).")
 @click.option("--free-calls", is_flag=True,
-              help="Let the model write tool calls that cannot run (malformed JSON, missing "
-                   "files, `old` text not in the file); by default the engine holds its calls "
-                   "to what can run.")
+              help="Let the model write tool calls of any form (malformed JSON, unknown tools "
+                   "or arguments); by default the engine holds its calls' form.")
+@click.option("--check-references", is_flag=True,
+              help="Hold the calls' paths and edit_file's `old` and `new` to the workspace too "
+                   "(AgentConfig.check_references); by default only their form is held.")
 @click.option("--samples", type=click.IntRange(1), default=1, show_default=True,
               help="Episodes per task, sampled (needs --temperature > 0): pass@1 is then "
                    "their mean, and pass@K the share of tasks at least one of them solves.")
@@ -143,7 +145,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                  policy_spec: str | None, compare: str | None, recipe_dir: Path | None,
                  processes: int | None, max_steps: int, max_new_tokens: int,
                  context_window: int | None, concurrency: int | None, sandbox: str | None,
-                 free_calls: bool, samples: int, temperature: float, quantize: str | None,
+                 free_calls: bool, check_references: bool, samples: int, temperature: float,
+                 quantize: str | None,
                  real_clock: bool, verbose: bool, as_json: bool) -> None:
     """Evaluate a policy on held-out tasks: pass@1, mean steps and tokens per task; or several
     side by side (--compare sft,default)."""
@@ -174,7 +177,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                             families=_families(families), max_steps=max_steps,
                             max_new_tokens=max_new_tokens, processes=processes or 0,
                             sandbox=sandbox, context_window=context_window or 0,
-                            constrain_calls=not free_calls)
+                            constrain_calls=not free_calls,
+                            check_references=check_references)
         _compare(compare, recipe_dir, config, verbose, as_json)
         return
     spec = policy_spec or model
@@ -188,7 +192,8 @@ def eval_command(tasks_spec: str, n: int | None, seed: int, families: str | None
                                  "exported with --with-solution)")
     with SessionStore() as store, _EvalProgress(len(task_list) * samples) as progress:
         report = evaluate(task_list, factory, store, max_steps=max_steps, sandbox=sandbox,
-                          constrain_calls=not free_calls, samples=samples,
+                          constrain_calls=not free_calls, check_references=check_references,
+                          samples=samples,
                           concurrency=concurrency or (4 if spec == "oracle" else
                                                      1 if spec.startswith("replay:") else 8),
                           on_episode=progress.done, still_clock=not real_clock)

@@ -135,12 +135,14 @@ def policy_factory(spec: str, max_new_tokens: int = 512, context_window: int = 0
 
 def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], store, *,
              concurrency: int = 1, max_steps: int = 20, sandbox=None,
-             constrain_calls: bool = True, samples: int = 1,
+             constrain_calls: bool = True, check_references: bool = False,
+             samples: int = 1,
              on_episode: Callable[[Episode], None] | None = None,
              still_clock: bool = True) -> EvalReport:
     """Run `samples` episodes per task (one each by default; more only make sense with a
     sampling policy) and collect the report. `constrain_calls=False` lets the model write
-    tool calls that cannot run (`AgentConfig.constrain_calls`); `on_episode` sees each
+    tool calls that cannot run (`AgentConfig.constrain_calls`), `check_references=True` holds
+    what they name to the workspace too (`AgentConfig.check_references`); `on_episode` sees each
     episode as it finishes. `still_clock`: pytest in the tasks' commands reports every
     duration as 0 (`grading.fixed_clock`), so an evaluation of a greedy policy repeats
     itself exactly; False: the real durations."""
@@ -152,7 +154,8 @@ def evaluate(tasks: list[TaskInstance], factory: Callable[[TaskInstance], Any], 
     episodes = run_episodes(factory, [t for t in tasks for _ in range(samples)], store,
                             concurrency=concurrency, sandbox=sandbox,
                             agent_config=AgentConfig(max_steps=max_steps,
-                                                     constrain_calls=constrain_calls),
+                                                     constrain_calls=constrain_calls,
+                                                     check_references=check_references),
                             origin=ORIGIN_EVAL, on_episode=on_episode)
     return EvalReport(episodes, samples)
 

@@ -42,7 +42,7 @@ The rates watch for the reward hacks Cursor reported with online RL from user si
 emitting broken tool calls so nothing can go wrong, and asking instead of acting; and for one
 bench/online.py found, a user who likes test runs getting them again and again until the step
 budget is spent (`sentiment.repeated_calls`). The episodes
-run without the call grammar (`free_calls`): the engine serves calls held to what can run,
+run without the call grammar (`free_calls`): the engine serves calls held to their form,
 which would hide a candidate whose own calls broke. The candidate is
 compared with the start of its version line (the base model, version 1) on the same margins
 as well: drift that stays inside the noise margin cycle by cycle adds up, and the line's
@@ -100,7 +100,7 @@ class GateConfig:
     sandbox: str | None = None      # "auto" | "off" | "require"; None: $APPRENTICE_SANDBOX
     free_calls: bool = True         # run the episodes without the call grammar
                                     # (AgentConfig.constrain_calls), so that the invalid rate
-                                    # is the model's own: serving holds calls to what can run
+                                    # is the model's own: serving holds calls' form
                                     # and would hide a candidate that learned to break them
 
 

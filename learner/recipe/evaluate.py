@@ -43,7 +43,9 @@ class EvalConfig:
                                     # so long episodes summarize themselves
     summary_window: int = 0         # the recipe's eval stage also evaluates its last model with
                                     # this window (self-summarization check; 0: skip)
-    constrain_calls: bool = True    # hold tool calls to what can run (AgentConfig.constrain_calls)
+    constrain_calls: bool = True    # hold tool calls to their form (AgentConfig.constrain_calls)
+    check_references: bool = False  # and what they name to the workspace (AgentConfig.
+                                    # check_references)
 
 
 def eval_tasks(config: EvalConfig) -> list:
@@ -82,7 +84,8 @@ def _shard(args: tuple) -> list[dict]:
         try:
             ep = run_episode(policy, task, store, sandbox=config.sandbox, origin=ORIGIN_EVAL,
                              agent_config=AgentConfig(max_steps=config.max_steps,
-                                                      constrain_calls=config.constrain_calls))
+                                                      constrain_calls=config.constrain_calls,
+                                                      check_references=config.check_references))
             return {"task": task.id, "family": task.family, "passed": ep.reward > 0,
                     "cheated": ep.cheated, "steps": ep.steps, "tokens": ep.tokens,
                     "status": ep.status}

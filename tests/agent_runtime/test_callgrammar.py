@@ -238,19 +238,32 @@ def test_the_agent_records_which_tokens_the_grammar_chose(tmp_path, workspace):
     assert [s["forced"] for s in store.samples(result.session_id)] == [[1]]
 
 
-@pytest.mark.parametrize("constrain", [True, False])
-def test_agent_hands_the_policy_a_grammar_of_its_tools_and_workspace(tmp_path, workspace, constrain):
+@pytest.mark.parametrize("constrain, references", [(True, False), (True, True), (False, False)])
+def test_agent_hands_the_policy_a_grammar_of_its_tools_and_workspace(tmp_path, workspace,
+                                                                      constrain, references):
+    """By default the grammar holds the calls' form only (`AgentConfig.check_references`
+    off): a path that does not exist, or an edit that changes nothing, is the model's to
+    write and the tool's to refuse. With `check_references` the grammar sees the workspace."""
     policy = GrammarTaker()
     store = SessionStore(tmp_path / "home")
     result = Agent(policy, store=store, workspace=workspace,
-                   config=AgentConfig(max_steps=2, constrain_calls=constrain)).run("Finish.")
+                   config=AgentConfig(max_steps=2, constrain_calls=constrain,
+                                      check_references=references)).run("Finish.")
     assert result.status == "finished"
     (g,) = policy.grammars
     if not constrain:
         assert g is None
         return
     assert set(g.tools) == {t.name for t in default_tools()}
-    assert g.view.root == os.fsencode(workspace.resolve())
     turn = parse_tool_calls(call("read_file", path="README.md"))
     assert written(g, call("read_file", path="README.md")) == "ok"
     assert not check_calls(turn.calls, {t.name: t for t in default_tools()})[0].error
+    missing = call("read_file", path="pkg/mud.py")
+    same = call("edit_file", path="pkg/mod.py", old="x + 1", new="x + 1")
+    assert written(g, '<tool_call>\n{"name": "read_fil"}').startswith("refused")   # the form
+    if references:
+        assert g.view.root == os.fsencode(workspace.resolve())
+        assert written(g, missing).startswith("refused") and written(g, same).startswith("refused")
+    else:
+        assert g.view is None
+        assert written(g, missing) == "ok" and written(g, same) == "ok"

@@ -171,13 +171,17 @@ def test_free_calls_evaluates_without_the_call_grammar(tmp_path):
     from learner.eval import evaluate
     tasks = resolve_tasks("sim-heldout", 1, 0, None)
     seen = {}
-    for constrain in (True, False):
+    for constrain, references in ((True, False), (True, True), (False, False)):
         policy = GrammarTaker()
-        with SessionStore(tmp_path / f"home-{constrain}") as store:
-            evaluate(tasks, lambda _t: policy, store, sandbox="off", constrain_calls=constrain)
-        seen[constrain] = policy.grammars
-    assert seen[True] and all(g is not None for g in seen[True])
-    assert seen[False] and all(g is None for g in seen[False])
+        with SessionStore(tmp_path / f"home-{constrain}-{references}") as store:
+            evaluate(tasks, lambda _t: policy, store, sandbox="off", constrain_calls=constrain,
+                     check_references=references)
+        seen[constrain, references] = policy.grammars
+    assert seen[True, False] and all(g is not None and g.view is None
+                                     for g in seen[True, False])
+    assert seen[True, True] and all(g is not None and g.view is not None
+                                    for g in seen[True, True])
+    assert seen[False, False] and all(g is None for g in seen[False, False])
 
 
 def test_pass_at_k_counts_tasks_any_sample_solved():
