@@ -55,6 +55,10 @@ EDITS_FILE = "edits.json"                      # in the session folder: files th
 @dataclass
 class AgentConfig:
     max_steps: int = 50                        # model calls allowed per run()/resume() (summaries excluded)
+    stuck_after: int = 4                       # end the run (status "failed") when this many
+                                               # turns in a row made the same tool calls and
+                                               # got the same results, as OpenHands' stuck
+                                               # detector does; 0: never
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the system message; the template appends the tools
     summarize_at: float = 0.8                  # summarize when the prompt reaches this fraction of the window
     summary_instruction: str = DEFAULT_SUMMARY_INSTRUCTION  # what the policy is asked when summarizing
@@ -128,6 +132,10 @@ class Cancelled(AgentExit):
     status = names.CANCELLED
 
 
+class Stuck(AgentExit):
+    """The same calls with the same results, `AgentConfig.stuck_after` turns in a row."""
+
+
 @dataclass
 class RunResult:
     session_id: str
@@ -173,6 +181,7 @@ class Agent:
         self.steps = 0
         self._pool: ThreadPoolExecutor | None = None
         self._edits: dict[str, str | None] = {}   # path -> sha256 before the first change
+        self._turns: list[tuple | None] = []      # the latest turns' calls and results
 
     def cancel(self) -> None:
         """Stop at the next check: between steps, between tool calls, or inside generation."""
@@ -219,6 +228,7 @@ class Agent:
     def _loop(self) -> RunResult:
         self.cancel_event.clear()
         self.steps, status, summary, error = 0, names.FAILED, None, None
+        self._turns = []
         session_dir = self.store.session_dir(self.session_id)
         self.tool_context = ToolContext(workspace=self.workspace, sandbox=self.sandbox,
                                         session_dir=session_dir)
@@ -277,6 +287,7 @@ class Agent:
         if completion.finish_reason == names.FINISH_CANCELLED:
             raise Cancelled("cancelled by the user")
         if not calls:
+            self._turns.append(None)
             cut = {names.FINISH_LENGTH: "Your last message was cut off at the length limit. ",
                    names.FINISH_LOOP: "Your last message was cut off: it kept repeating itself. "}
             self._append({"role": "user", "kind": names.KIND_NUDGE, "content":
@@ -285,6 +296,18 @@ class Agent:
         finish_summary = self._run_calls(calls, message_id)
         if finish_summary is not None:
             raise Finished(finish_summary)
+        self._check_stuck()
+
+    def _check_stuck(self) -> None:
+        """Raise `Stuck` when the last `stuck_after` turns made the same calls and got the
+        same results: nothing the model saw changed, so a greedy policy would go on the same
+        way until the step budget is spent (on the default model's held-out failures, a
+        quarter of their calls)."""
+        k = self.config.stuck_after
+        del self._turns[:-k or None]
+        last = self._turns[-1] if self._turns else None
+        if k > 0 and len(self._turns) == k and last is not None and self._turns.count(last) == k:
+            raise Stuck(f"stuck: the same tool calls got the same results {k} turns in a row")
 
     def summarize(self) -> None:
         """Replace the context by the policy's own summary of it; starts the next segment."""
@@ -311,6 +334,7 @@ class Agent:
         """Run a turn's calls (reads concurrently, writes alone and in order); returns
         finish()'s summary when finish succeeded."""
         finish_summary = None
+        turn: list[tuple] = []
         for n, group in enumerate(self._groups(calls)):
             if self.stopping():
                 rest = [c for g in self._groups(calls)[n:] for c in g]
@@ -327,8 +351,11 @@ class Agent:
             outcomes = self._execute(group)
             for call, row, outcome in zip(group, rows, outcomes):
                 self._finish_call(call, row, outcome)
+                turn.append((call.name, json.dumps(call.arguments, sort_keys=True)
+                             if call.arguments is not None else call.raw, outcome.text))
                 if call.name == "finish" and outcome.ok:
                     finish_summary = str((call.arguments or {}).get("summary") or outcome.text)
+        self._turns.append(tuple(turn))
         return finish_summary
 
     def _groups(self, calls: list[ToolCall]) -> list[list[ToolCall]]:

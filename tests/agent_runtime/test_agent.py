@@ -104,6 +104,24 @@ def test_spending_the_step_budget_ends_the_run_as_budget_exhausted(store, worksp
     assert store.get_session(result.session_id)["status"] == "budget_exhausted"
 
 
+def test_the_same_calls_with_the_same_results_four_turns_in_a_row_end_the_run(store, workspace):
+    """OpenHands' stuck detector: nothing the model saw changed for `stuck_after` turns, so
+    the run ends ("failed", the reason in its summary) instead of spending its budget."""
+    _, result = run([call("read_file", path="nope.py")] * 10, store, workspace)
+    assert (result.status, result.steps) == ("failed", 4)
+    assert result.summary.startswith("stuck: the same tool calls got the same results 4 turns")
+    assert store.get_session(result.session_id)["status"] == "failed"
+    _, result = run([call("read_file", path="nope.py")] * 10, store, workspace, stuck_after=0,
+                    max_steps=6)
+    assert (result.status, result.steps) == ("budget_exhausted", 6)
+    _, result = run([call("list_files"), call("read_file", path="calc.py")] * 5, store,
+                    workspace, max_steps=8)          # turns that differ: never stuck
+    assert (result.status, result.steps) == ("budget_exhausted", 8)
+    script = [call("read_file", path="nope.py")] * 3 + ["Hmm."] + [call("read_file", path="nope.py")] * 3
+    _, result = run(script + [FINISH], store, workspace)     # a turn without calls breaks a run
+    assert result.status == "finished"
+
+
 def test_running_out_of_script_fails_the_session_with_the_reason(store, workspace):
     _, result = run([call("list_files")], store, workspace)
     assert result.status == "failed" and "ReplayExhausted" in result.summary
