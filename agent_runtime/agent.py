@@ -69,10 +69,10 @@ class AgentConfig:
     origin: str = ORIGIN_USER                  # who makes the session (names.ORIGINS); only
                                                # "user" sessions are learned from
     learn: bool = True                         # False: the session is never trained on
-    constrain_calls: bool = True               # policies that can (the engine) write only tool
-                                               # calls that can run: valid JSON, known tools
-                                               # and arguments, existing paths, `old` text
-                                               # from the file (agent_runtime.callgrammar)
+    constrain_calls: bool = True               # policies that can (the engine) write only
+                                               # well-formed tool calls: valid JSON, known
+                                               # tools and arguments of their types
+                                               # (agent_runtime.callgrammar)
     check_references: bool = False             # with constrain_calls, also hold what a call
                                                # names to the workspace (the paths it reads
                                                # exist, edit_file's `old` is in the file and
@@ -80,8 +80,8 @@ class AgentConfig:
                                                # and a call naming what is not there fails with
                                                # the tool's error; on the default model the
                                                # same pass@1, and no edit forced into a file the
-                                               # model did not mean (README, "Tool calls that
-                                               # can run")
+                                               # model did not mean (README, "Only the form,
+                                               # by default")
     mentions: bool | None = None               # append where the task's names are defined
                                                # (agent_runtime.mentions); None: when the
                                                # policy was trained with it (`policy.mentions`)
@@ -301,8 +301,8 @@ class Agent:
     def _check_stuck(self) -> None:
         """Raise `Stuck` when the last `stuck_after` turns made the same calls and got the
         same results: nothing the model saw changed, so a greedy policy would go on the same
-        way until the step budget is spent (on the default model's held-out failures, a
-        quarter of their calls)."""
+        way until the step budget is spent (with the default model, a quarter of all its
+        calls on held-out tasks: README, "Stuck runs end")."""
         k = self.config.stuck_after
         del self._turns[:-k or None]
         last = self._turns[-1] if self._turns else None
