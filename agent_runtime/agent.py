@@ -21,6 +21,7 @@ import json
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,7 +182,8 @@ class Agent:
         self.steps = 0
         self._pool: ThreadPoolExecutor | None = None
         self._edits: dict[str, str | None] = {}   # path -> sha256 before the first change
-        self._turns: list[tuple | None] = []      # the latest turns' calls and results
+        self._turns: deque[tuple | None] = deque(maxlen=self.config.stuck_after)
+                                                  # the latest turns' calls and results
 
     def cancel(self) -> None:
         """Stop at the next check: between steps, between tool calls, or inside generation."""
@@ -228,7 +230,7 @@ class Agent:
     def _loop(self) -> RunResult:
         self.cancel_event.clear()
         self.steps, status, summary, error = 0, names.FAILED, None, None
-        self._turns = []
+        self._turns.clear()
         session_dir = self.store.session_dir(self.session_id)
         self.tool_context = ToolContext(workspace=self.workspace, sandbox=self.sandbox,
                                         session_dir=session_dir)
@@ -303,10 +305,8 @@ class Agent:
         same results: nothing the model saw changed, so a greedy policy would go on the same
         way until the step budget is spent (with the default model, a quarter of all its
         calls on held-out tasks: README, "Stuck runs end")."""
-        k = self.config.stuck_after
-        del self._turns[:-k or None]
-        last = self._turns[-1] if self._turns else None
-        if k > 0 and len(self._turns) == k and last is not None and self._turns.count(last) == k:
+        k, turns = self.config.stuck_after, self._turns
+        if k and len(turns) == k and turns[0] is not None and turns.count(turns[0]) == k:
             raise Stuck(f"stuck: the same tool calls got the same results {k} turns in a row")
 
     def summarize(self) -> None:
