@@ -109,6 +109,13 @@ class RolloutConfig:
                                     # check after a change, so what a failure does after one is
                                     # work that teaches nothing (RUNS.md, "Episodes cut at their
                                     # first failed check"). Not guides; 0: off
+    check_references: bool = True   # sim episodes' tool calls held to the workspace too
+                                    # (`AgentConfig.check_references`: paths that exist, `old`
+                                    # text in the file), not only to their form as serving
+                                    # holds them: the two GRPO runs whose rollouts were held to
+                                    # their form lost fix_import to garbled first turns, the
+                                    # three held to the workspace did not (RUNS.md, "Which
+                                    # rollouts lose fix_import")
 
 
 @dataclass

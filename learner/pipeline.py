@@ -60,6 +60,7 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     """The group's episodes, on threads; once `should_stop()` turns true, each episode
     still running ends at its next check (`run_episode`), so a stopped run's rollout worker
     does not play its group to the end."""
+    from agent_runtime.agent import AgentConfig
     from agent_runtime.policies.batching import BatchingPolicy
     from learner.rollout import run_episodes
     from learner.tasks.oracle import OracleStart, start_turns
@@ -68,7 +69,9 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     start = start_turns(task, config.oracle_start, _STARTS)
     eps = run_episodes((lambda t: OracleStart(t, policy, start)) if start else (lambda _t: policy),
                        [task] * config.group_size, store,
-                       concurrency=config.concurrency, max_steps=config.max_steps,
+                       concurrency=config.concurrency,
+                       agent_config=AgentConfig(max_steps=config.max_steps,
+                                                check_references=config.check_references),
                        should_stop=should_stop,
                        stop_after_failed_checks=config.stop_after_failed_checks)
     group = Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),

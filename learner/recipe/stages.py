@@ -78,6 +78,8 @@ class GRPOStageConfig:
                                     # p / (p + gamma) (`LossConfig.guide_shaping`; 0: off)
     stop_after_failed_checks: int = 0  # end an episode at this many failed checks after
                                     # its first change (`RolloutConfig.stop_after_failed_checks`)
+    check_references: bool = True   # rollouts' calls held to the workspace too
+                                    # (`RolloutConfig.check_references`)
     kl_coef: float = 0.0            # weight of a k3 KL penalty to the stage's starting weights
                                     # (`LossConfig.kl_coef`; 0: off, no reference model kept)
     balance: bool = False           # a step's negative-advantage tokens weigh what its positive
@@ -332,7 +334,8 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers, partial_credit=g.partial_credit,
                                  oracle_start=g.oracle_start, guide=g.guide,
-                                 stop_after_failed_checks=g.stop_after_failed_checks),
+                                 stop_after_failed_checks=g.stop_after_failed_checks,
+                                 check_references=g.check_references),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,
                                    seed=g.seed, curriculum=g.curriculum,
                                    max_skipped=g.max_skipped, revisit=g.revisit,

@@ -846,18 +846,19 @@ def test_the_grpo_stage_passes_its_settings_to_the_learner(tmp_path):
     from learner.recipe.stages import GRPOStageConfig, grpo_run_config
     g = GRPOStageConfig(lr=1e-4, trainable=TRAINABLE, task_seed=1, phrasings=0.6,
                         partial_credit=0.5, oracle_start=0.5, kl_coef=0.05,
-                        balance=True, stop_after_failed_checks=1)
+                        balance=True, stop_after_failed_checks=1, check_references=False)
     run = grpo_run_config(g, tmp_path / "sft" / "model", "cpu")
     assert run.trainer.loss.kl_coef == 0.05 and run.trainer.loss.balance
     assert run.model == str(tmp_path / "sft" / "model") and run.tasks == "sim:seed=1,phrasings=0.6"
     assert run.trainer.trainable == TRAINABLE and run.trainer.optim.lr == 1e-4
     assert run.trainer.router_replay and run.pipeline.torch_threads == 1
     assert run.rollout.partial_credit == 0.5 and run.rollout.oracle_start == 0.5
-    assert run.rollout.stop_after_failed_checks == 1
+    assert run.rollout.stop_after_failed_checks == 1 and not run.rollout.check_references
     default = grpo_run_config(GRPOStageConfig(), tmp_path, "cpu")
     assert default.trainer.trainable == () and default.rollout.partial_credit == 0.0
     assert default.rollout.oracle_start == 0.0 and default.trainer.loss.kl_coef == 0.0
     assert not default.trainer.loss.balance and default.rollout.stop_after_failed_checks == 0
+    assert default.rollout.check_references
 
 
 def test_set_overrides_one_field_of_the_recipe_by_its_type():

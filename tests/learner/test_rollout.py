@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from agent_runtime.store.migrations import MIGRATIONS
 from learner.rollout import Episode, rewards, run_episode, run_episodes
 from learner.tasks import generate
 from learner.tasks.oracle import OraclePolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent_runtime"))
 
 
 def call(name, **arguments) -> str:
@@ -231,3 +234,21 @@ def test_a_sim_group_with_oracle_starts_records_where_it_began(store, tasks):
     group.episodes[0].reward = 1.0               # as if one of them had passed
     trained = group_samples(group, LossConfig())
     assert len(trained) == 2 and all(s.n_tokens for s in trained)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_sim_groups_calls_are_held_to_the_workspace_unless_turned_off(store, tasks, check):
+    """`RolloutConfig.check_references` (on by default): each rollout's call grammar sees the
+    episode's workspace (`AgentConfig.check_references`), where serving holds calls to their
+    form only."""
+    from agent_runtime.callgrammar import WorkspaceView
+    from learner.config import RolloutConfig
+    from learner.pipeline import run_sim_group
+    from fake_policies import GrammarTaker
+    assert RolloutConfig().check_references
+    policy = GrammarTaker()
+    group = run_sim_group(policy, tasks[0], store, RolloutConfig(group_size=2, concurrency=1,
+                                                                 check_references=check))
+    assert len(group.episodes) == 2 and len(policy.grammars) == 2
+    views = [g.view for g in policy.grammars]
+    assert all(isinstance(v, WorkspaceView) for v in views) if check else views == [None, None]
