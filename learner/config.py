@@ -114,8 +114,9 @@ class RolloutConfig:
                                     # text in the file), not only to their form as serving
                                     # holds them: the two GRPO runs whose rollouts were held to
                                     # their form lost fix_import to garbled first turns, the
-                                    # three held to the workspace did not (RUNS.md, "Which
-                                    # rollouts lose fix_import")
+                                    # four held to the workspace did not, one of them the same
+                                    # command as a run that did (RUNS.md, "Which rollouts lose
+                                    # fix_import", "`p1` again with rollouts held to ...")
 
 
 @dataclass
