@@ -71,6 +71,9 @@ class TrainerConfig:
                                     # goes alone. The gradient does not depend on it
     share_rows: bool = True         # the calls of one conversation share a row of the training
                                     # forward (fed once, scored per call); off: a row per call
+    share_prefixes: bool = True     # rows that start with the same tokens and routes (a GRPO
+                                    # group's episodes) feed that prefix once: one packed prefix
+                                    # tree, attention along each row (`Trainer.forward_batch`)
     trainable: tuple[str, ...] = () # regexes of the parameter names that train (`re.search`);
                                     # the others stay as loaded. Empty: all of them
 

@@ -42,6 +42,7 @@ import sqlite_utils
 import torch
 
 from agent_runtime.model import MoEModel, load_model, token_logprobs
+from agent_runtime.model.model import Paths
 from learner.config import TrainerConfig, to_dict
 from learner.grpo import (TrainSample, balance_scale, behaviour_kl, loop_mask, mean_or_nan,
                           policy_loss, token_advantages, token_weights, unlikelihood)
@@ -137,16 +138,18 @@ class Trainer:
 
     def forward_batch(self, samples: Sequence[TrainSample], replay: bool | None = None,
                       model: MoEModel | None = None) -> list[ForwardOut]:
-        """`forward` of several samples in one right-padded forward. The model calls of one
-        episode share a row: when a sample's prompt extends an earlier sample's prompt and
-        completion (the next call of the same conversation), it is scored in that sample's row
-        instead of feeding the whole conversation again (`_rows`), so an episode of n calls
-        costs about one forward of its last call instead of n. Under replay, every position of
-        a row takes the routes recorded by the first sample that fed it (a completion token's
-        own decode). Every row starts at position 0, so causal attention keeps real tokens
-        from seeing the padding that follows them and no attention mask is needed. Padding
-        feeds token 0 (routed to expert 0 under replay); logits are computed only where a
-        completion token is scored."""
+        """`forward` of several samples in one forward. The model calls of one episode share a
+        row: when a sample's prompt extends an earlier sample's prompt and completion (the next
+        call of the same conversation), it is scored in that sample's row instead of feeding
+        the whole conversation again (`_rows`), so an episode of n calls costs about one
+        forward of its last call instead of n. Under replay, every position of a row takes the
+        routes recorded by the first sample that fed it (a completion token's own decode).
+        Rows that start with the same tokens and routes (a GRPO group's episodes: one prompt,
+        often the same first calls) feed those positions once (`share_prefixes`, `_tree`):
+        the rows are packed into one prefix tree whose positions are computed once each, and
+        only attention runs along every row (`agent_runtime.model.Paths`); the same values
+        as the rows fed one by one. Logits are computed only where a completion token is
+        scored."""
         if not samples:
             return []
         replay = self.config.router_replay if replay is None else replay
@@ -161,66 +164,111 @@ class Trainer:
         if min(len(s.prompt_ids) for s in samples) < 1:
             raise ValueError("every sample needs at least one prompt token")
         rows = _rows(samples, self.config.share_rows)
-        B, S = len(rows), max(_fed_len(samples[row[-1]]) for row in rows)
-        ids = torch.zeros(B, S, dtype=torch.long)                            # [B, S]
-        scored = torch.zeros(B, S, dtype=torch.bool)
-        routes = None
-        if all(with_routes):
-            routes = torch.zeros((B, S) + recorded[0].shape[1:], dtype=torch.long, device=dev)
-        owner = torch.full((B, S), -1, dtype=torch.long)   # the sample each position counts for
-        for b, row in enumerate(rows):
+        fed, owner, row_routes = [], [], []
+        for row in rows:
             last = samples[row[-1]]
-            fed = list(last.prompt_ids) + list(last.completion_ids[:-1])
-            ids[b, :len(fed)] = torch.tensor(fed, dtype=torch.long)
-            for i in reversed(row):                        # the first sample to feed a position
-                n = _fed_len(samples[i])                   # owns it (and its routes)
-                owner[b, :n] = i
-                if routes is not None:
-                    routes[b, :n] = recorded[i]
-            for i in row:
-                P, T = len(samples[i].prompt_ids), len(samples[i].completion_ids)
-                scored[b, P - 1:P - 1 + T] = True                          # [B, S]
+            fed.append(np.asarray(list(last.prompt_ids) + list(last.completion_ids[:-1]),
+                                  dtype=np.int64))
+            own = np.empty(len(fed[-1]), dtype=np.int64)  # the first sample to feed a position
+            for i in reversed(row):                       # owns it (and its routes)
+                own[:_fed_len(samples[i])] = i
+            owner.append(own)
+            if all(with_routes):
+                r = torch.empty((len(own),) + recorded[0].shape[1:], dtype=torch.long,
+                                device=dev)
+                for i in row:
+                    mine = torch.from_numpy(own == i).to(dev)
+                    r[mine] = recorded[i][mine[:_fed_len(samples[i])]]
+                row_routes.append(r)
+        keys = [f[:, None] for f in fed]
+        if row_routes:              # a position is shared only with the routes it was fed with
+            keys = [np.concatenate([k, r.reshape(len(k), -1).cpu().numpy()], axis=1)
+                    for k, r in zip(keys, row_routes)]
+        nodes, N = _tree(keys, self.config.share_prefixes)
+        R, L = len(rows), max(len(f) for f in fed)
+        ids = torch.zeros(N, dtype=torch.long)
+        positions = torch.zeros(N, dtype=torch.long)
+        index = torch.zeros(R, L, dtype=torch.long)
+        take = torch.full((N,), -1, dtype=torch.long)
+        spans = torch.zeros(R, 2, dtype=torch.long)       # the places of each path take reads
+        routes = None
+        if row_routes:
+            routes = torch.zeros((N,) + recorded[0].shape[1:], dtype=torch.long, device=dev)
+        for b, (f, nd) in enumerate(zip(fed, nodes)):
+            at = torch.from_numpy(nd)
+            ids[at] = torch.from_numpy(f)
+            positions[at] = torch.arange(len(f))
+            index[b, :len(f)], index[b, len(f):] = at, at[-1]
+            new = take[at] < 0                            # a suffix: the rest is shared
+            take[at[new]] = b * L + torch.arange(len(f))[new]
+            spans[b] = torch.tensor([len(f) - int(new.sum()), len(f)])
+            if routes is not None:
+                routes[at.to(dev)] = row_routes[b]
+        # each scored completion token: the packed position that predicts it
+        order = [i for row in rows for i in row]
+        where = {i: b for b, row in enumerate(rows) for i in row}
+        T = [len(samples[i].completion_ids) for i in order]
+        at = np.concatenate([nodes[where[i]][len(samples[i].prompt_ids) - 1:][:t]
+                             for i, t in zip(order, T)])
+        scored = np.zeros(N, dtype=bool)
+        scored[at] = True
+        rank = np.cumsum(scored) - 1                      # logits row of each scored position
         chosen: list[torch.Tensor] = []
         masters = model is None or model is self.model      # not the reference model
         model = self.net() if masters else model
         with self._router_choices(model, chosen) if masters else contextlib.nullcontext():
-            out = model(ids.to(dev), routes=routes if replay else None, logits_at=scored.to(dev))
-        # logits come row by row, position by position: each row's samples in their order
-        order = [i for row in rows for i in row]
-        T = [len(samples[i].completion_ids) for i in order]
+            out = model(ids[None].to(dev), routes=routes[None] if replay and routes is not None
+                        else None, positions=positions[None].to(dev),
+                        logits_at=torch.from_numpy(scored)[None].to(dev),
+                        paths=Paths(index.to(dev), take.to(dev), spans))
         temps = torch.tensor([_scale(samples[i].temperature, self.config.temperature)
                               for i, t in zip(order, T) for _ in range(t)], device=dev)
         target = torch.tensor([t for i in order for t in samples[i].completion_ids],
                               dtype=torch.long, device=dev)
-        lp = token_logprobs(out.logits, target, temps)                      # [sum T]
+        lp = _token_logprobs(out.logits, torch.from_numpy(rank[at]).to(dev), target, temps)
         by_sample = dict(zip(order, lp.split(T)))
         flips = [0] * len(samples)
         routed = [0] * len(samples)
         if routes is not None and chosen:
-            own = torch.stack(chosen, dim=1).view(B, S, len(chosen), -1)
-            differ = (own.sort(-1).values != routes.sort(-1).values).any(-1)  # [B, S, L]
-            for b, row in enumerate(rows):
+            own = torch.stack(chosen, dim=1).view(N, len(chosen), -1)
+            differ = (own.sort(-1).values != routes.sort(-1).values).any(-1)  # [N, L]
+            for b, row in enumerate(rows):              # counted per row, as if fed alone
+                d = differ[torch.from_numpy(nodes[b]).to(dev)]
                 for i in row:
-                    mine = owner[b] == i
-                    flips[i] += int(differ[b][mine.to(dev)].sum())
+                    mine = torch.from_numpy(owner[b] == i).to(dev)
+                    flips[i] += int(d[mine].sum())
                     routed[i] += int(mine.sum()) * differ.shape[-1]
         return [ForwardOut(by_sample[i], flips[i], routed[i]) for i in range(len(samples))]
 
     def micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-        """`samples` in rows (`_rows`: the calls of one conversation share one), shortest
-        row first, packed greedily into micro-batches of at most `micro_batch_tokens` padded
-        tokens (rows x longest row); a longer row goes alone."""
+        """`samples` in rows (`_rows`: the calls of one conversation share one), packed
+        greedily into micro-batches of at most `micro_batch_tokens` positions fed (a prefix
+        that rows share counts once, with `share_prefixes`) and twice that in padded rows
+        (rows x longest row: attention's share); a longer row goes alone. Rows are taken in
+        the order of their tokens, so rows that start alike go together, else shortest
+        first."""
         budget = self.config.micro_batch_tokens
-        rows = sorted(_rows(samples, self.config.share_rows),
-                      key=lambda row: _fed_len(samples[row[-1]]))
-        batches: list[list[list[int]]] = []
-        for row in rows:
-            n = _fed_len(samples[row[-1]])
-            if batches and (len(batches[-1]) + 1) * n <= budget:
-                batches[-1].append(row)
+        share = self.config.share_prefixes
+        rows = _rows(samples, self.config.share_rows)
+        feeds = [list(samples[row[-1]].prompt_ids) + list(samples[row[-1]].completion_ids[:-1])
+                 for row in rows]
+        ranked = sorted(range(len(rows)), key=(lambda b: feeds[b]) if share
+                        else (lambda b: len(feeds[b])))
+        batches: list[list[int]] = []
+        fed = longest = 0
+        prev: list[int] = []
+        for b in ranked:
+            f = feeds[b]
+            common = _common(prev, f) if share and batches else 0
+            if batches and fed + len(f) - common <= budget \
+                    and (len(batches[-1]) + 1) * max(longest, len(f)) <= 2 * budget:
+                batches[-1].append(b)
+                fed, longest = fed + len(f) - common, max(longest, len(f))
             else:
-                batches.append([row])
-        return [[samples[i] for row in batch for i in row] for batch in batches]
+                batches.append([b])
+                fed, longest = len(f), len(f)
+            prev = f
+        return [[samples[i] for b in batch for i in rows[b]] for batch in batches]
 
     @torch.no_grad()
     def measure(self, samples: Sequence[TrainSample], replay: bool | None = None) -> dict:
@@ -460,6 +508,52 @@ def _rows(samples: Sequence[TrainSample], share: bool = True) -> list[list[int]]
         else:
             rows.append([i])
     return rows
+
+
+def _tree(keys: Sequence[np.ndarray], share: bool = True) -> tuple[list[np.ndarray], int]:
+    """Rows packed into a prefix tree: keys[b] [L_b, K] are row b's positions (a token and
+    the routes it is fed with); returns each row's packed position for each of its positions,
+    and how many packed positions there are. A row shares the longest prefix it has in common
+    with an earlier row (all K columns equal); the rest of it is new. Without `share`, every
+    row is new."""
+    nodes: list[np.ndarray] = []
+    n = 0
+    for key in keys:
+        best, common = -1, 0
+        for j, other in enumerate(keys[:len(nodes)] if share else ()):
+            m = min(len(key), len(other))
+            same = (key[:m] == other[:m]).all(axis=1)
+            c = m if same.all() else int(same.argmin())
+            if c > common:
+                best, common = j, c
+        at = np.empty(len(key), dtype=np.int64)
+        if common:
+            at[:common] = nodes[best][:common]
+        at[common:] = np.arange(n, n + len(key) - common)
+        n += len(key) - common
+        nodes.append(at)
+    return nodes, n
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    m = min(len(a), len(b))
+    same = np.asarray(a[:m]) == np.asarray(b[:m])
+    return m if same.all() else int(same.argmin())
+
+
+def _token_logprobs(logits: torch.Tensor, rows: torch.Tensor, target: torch.Tensor,
+                    temps: torch.Tensor) -> torch.Tensor:
+    """`token_logprobs(logits[rows], target, temps)` computed once for each distinct (row,
+    target, temperature): the completion tokens that rows sharing a prefix both score are
+    one position of the packed forward, and mostly predict the same token there."""
+    values, temp = torch.unique(temps, return_inverse=True)
+    distinct, which = torch.unique(torch.stack([rows, target, temp], dim=1), dim=0,
+                                   return_inverse=True)
+    first = distinct[:, 0]
+    if not torch.equal(first, torch.arange(len(logits), device=first.device)):
+        logits = logits[first]                # a position scored for several tokens
+    return token_logprobs(logits, distinct[:, 1], values[distinct[:, 2]])[which]
 
 
 def _fed_len(sample: TrainSample) -> int:

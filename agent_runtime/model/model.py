@@ -278,20 +278,23 @@ class CausalAttention(torch.autograd.Function):
     with AVX512-BF16 dot products on CPUs without them (`attention_train` in
     csrc/decode.cpp: flash attention's plan, the log-sum-exp saved and the probabilities
     recomputed). PyTorch's CPU kernel spent ~5x its forward's time in its backward, a third
-    of a GRPO training step; the values agree with it to bf16 rounding."""
+    of a GRPO training step; the values agree with it to bf16 rounding. `spans` [B, 2]: only
+    the query positions [first, end) of row b are computed (the others' outputs are 0 and
+    get no gradient): a packed prefix tree's path (`Paths`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        out, lse = _extension().attention_train(q, k, v, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, scale, spans=None):
+        out, lse = _extension().attention_train(q, k, v, scale, spans)
+        ctx.save_for_backward(q, k, v, out, lse, spans)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _extension().attention_train_backward(grad, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None
+        q, k, v, out, lse, spans = ctx.saved_tensors
+        dq, dk, dv = _extension().attention_train_backward(grad, q, k, v, out, lse, ctx.scale,
+                                                           spans)
+        return dq, dk, dv, None, None
 
 
 class Rope(torch.autograd.Function):
@@ -376,6 +379,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@dataclass(frozen=True)
+class Paths:
+    """The root-to-leaf paths of a prefix tree packed into one row (each shared position fed
+    once: the trainer's rows that start alike, `learner.trainer`). index [R, L]: the packed
+    positions along path r (padded at its end with any position: causal attention keeps a
+    path's positions from seeing what follows them); take [T]: for each packed position, its
+    place r * L + l in one path that holds it; spans [R, 2] (int64, on the CPU) or None: the
+    places [first, end) of path r that `take` reads (a path's own positions follow those it
+    shares with earlier paths), the only ones whose attention must be computed. Attention runs
+    along each path as on a row of its own; everything else runs once per packed position."""
+    index: torch.Tensor
+    take: torch.Tensor
+    spans: torch.Tensor | None = None
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
@@ -392,8 +410,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(a.num_kv_heads * a.head_dim, a.rms_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """x [B, T, H]; cos, sin [B, 1, T, D]."""
+                cache: KVCache | None, mask: torch.Tensor | None, causal: bool,
+                paths: Paths | None = None) -> torch.Tensor:
+        """x [B, T, H]; cos, sin [B, 1, T, D]; `paths`: x is a packed prefix tree (see
+        `Paths`), whose positions attend along their paths."""
         a = self.a
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [B, T, heads*D]
@@ -422,6 +442,15 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
         group = a.num_heads // a.num_kv_heads
+        if paths is not None:                  # each path's causal attention, as its own row
+            q, k, v = (t[0][:, paths.index].transpose(0, 1) for t in (q, k, v))  # [R, _, L, D]
+            if _whole_sequence_in_cpp(q, k, v):   # only the positions a path computes
+                out = CausalAttention.apply(q, k, v, a.scale, paths.spans)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.scale,
+                                                     enable_gqa=group > 1)
+            out = out.transpose(1, 2).reshape(-1, a.num_heads * a.head_dim)[paths.take]
+            return self.o_proj(out[None].to(x.dtype))                    # [1, T, heads * D]
         if cache is None and mask is None and causal and T > 1 and _whole_sequence_in_cpp(q, k, v):
             out = CausalAttention.apply(q, k, v, a.scale)      # training (and scoring) in bf16
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
@@ -599,9 +628,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_eps)
         self.mlp = MoE(a) if self.is_moe else MLP(a.hidden_size, a.dense_size)
 
-    def forward(self, x, cos, sin, cache, mask, causal, routes):
+    def forward(self, x, cos, sin, cache, mask, causal, routes, paths=None):
         m = self.a.residual_multiplier
-        h = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, causal)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, causal, paths)
         x = x + h * m if m != 1.0 else x + h
         h = self.post_attention_layernorm(x)
         idx = None
@@ -671,16 +700,24 @@ class MoEModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, routes: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0,
-                logits_at: torch.Tensor | None = None) -> ModelOutput:
+                logits_at: torch.Tensor | None = None, paths: Paths | None = None
+                ) -> ModelOutput:
         """input_ids [B, T]; routes [B, T, L, k] replays expert choices; attention_mask [B, T]
         marks real tokens (False = left padding) of this call; logits_to_keep=n keeps the last n;
         logits_at [B, T] bool computes logits only there: .logits is then [N, V] (training on a
-        few positions of long sequences skips most of the output head)."""
+        few positions of long sequences skips most of the output head); `paths` (with
+        `positions`, no cache): input_ids [1, T] is a packed prefix tree (`Paths`)."""
         a = self.args
         B, T = input_ids.shape
         past = cache.pos if cache is not None else 0
-        over = past + T > a.max_position       # columns past the window: left-padded rows'
-        if over and cache is None:             # positions may still fit (checked below)
+        if paths is not None:
+            if cache is not None or positions is None or attention_mask is not None or B != 1:
+                raise ValueError("a packed tree is one row with its positions and no cache")
+            if int(positions.max()) >= a.max_position:
+                raise ValueError(f"{int(positions.max()) + 1} tokens exceed the context window "
+                                 f"({a.max_position})")
+        over = past + T > a.max_position and paths is None   # columns past the window: left-
+        if over and cache is None:             # padded rows' positions may still fit (below)
             raise ValueError(f"{past + T} tokens exceed the context window ({a.max_position})")
         if cache is not None and past + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + T} tokens > cache length {cache.max_len}")
@@ -712,7 +749,7 @@ class MoEModel(nn.Module):
             r = None
             if block.is_moe and routes is not None:
                 r = routes[:, :, j]
-            x, idx = block(x, cos, sin, cache, mask, causal, r)
+            x, idx = block(x, cos, sin, cache, mask, causal, r, paths)
             if idx is not None:
                 all_routes.append(idx)
                 j += 1

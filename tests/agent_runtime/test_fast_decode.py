@@ -741,6 +741,89 @@ def test_training_attention_on_tiles_is_causal_sdpa_and_its_backward(built, B, H
         assert _relative(mine, exact) < min(0.01, 2 * _relative(bf16, exact) + 1e-3)
 
 
+def test_training_attention_over_spans_computes_only_their_queries_with_the_same_bits(built):
+    """`CausalAttention` with `spans` (a packed prefix tree's paths, `Paths`): inside row b's
+    span [first, end) the output and dq are bitwise those of the whole computation when the
+    gradient outside the spans is 0 (what a path's shared or padded places get), and dk, dv
+    too; from `end` on, 0."""
+    from agent_runtime.model.model import CausalAttention
+    if not fast_decode.extension().has_train_attention():
+        pytest.skip("neither AMX-BF16 nor AVX512-BF16 on this CPU")
+    B, H, KV, T, D = 3, 4, 2, 150, 64
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, n, T, D, generator=g).bfloat16() for n in (H, KV, KV))
+    spans = torch.tensor([[0, 150], [37, 120], [150, 150]])
+    inside = torch.zeros(B, 1, T, 1, dtype=torch.bool)
+    after = torch.zeros(B, 1, T, 1, dtype=torch.bool)
+    for b, (first, end) in enumerate(spans.tolist()):
+        inside[b, :, first:end] = True
+        after[b, :, end:] = True
+    grad = torch.randn(B, H, T, D, generator=g).bfloat16() * inside
+
+    def run(*extra):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = CausalAttention.apply(*leaves, 0.3, *extra)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    whole, part = run(), run(spans)
+    for a, b in zip(whole[:2], part[:2]):                    # out and dq
+        assert torch.equal(b * inside, a * inside) and not (b * after).any()
+    for a, b in zip(whole[2:], part[2:]):                    # dk and dv
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="span"):
+        CausalAttention.apply(q, k, v, 0.3, torch.tensor([[0, 151]] * B))
+
+
+def test_a_packed_prefix_tree_trains_as_its_rows(built, tmp_path, monkeypatch):
+    """Rows that start alike fed once as a packed tree (`Paths`): every place of every row
+    gets the logits the rows fed apart give it, and the gradients match, in fp32 (PyTorch's
+    attention) and in bf16 (`CausalAttention` over the paths' spans), to the dtype's
+    rounding."""
+    from agent_runtime.model import model as mm
+    from agent_runtime.model.model import Paths
+    path = save_hf_checkpoint("qwen3_moe", tmp_path / "m", head_dim=32)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, VOCAB, (3, 70), generator=g)
+    rows[1, :40] = rows[0, :40]                  # row 1 shares 40 places with row 0,
+    rows[2, :55] = rows[1, :55]                  # row 2 55 with row 1
+    lengths = [70, 64, 70]
+    # the packed tree: row 0, then row 1 from place 40, row 2 from place 55
+    nodes = [torch.arange(70), torch.cat([torch.arange(40), 70 + torch.arange(24)]),
+             torch.cat([torch.arange(40), 70 + torch.arange(15), 94 + torch.arange(15)])]
+    N = 109
+    ids, positions = torch.zeros(N, dtype=torch.long), torch.zeros(N, dtype=torch.long)
+    index = torch.zeros(3, 70, dtype=torch.long)
+    take = torch.full((N,), -1)
+    for r, (nd, n) in enumerate(zip(nodes, lengths)):
+        ids[nd], positions[nd] = rows[r, :n], torch.arange(n)
+        index[r, :n], index[r, n:] = nd, nd[-1]
+        new = take[nd] < 0
+        take[nd[new]] = r * 70 + torch.arange(n)[new]
+    spans = torch.tensor([[0, 70], [40, 64], [55, 70]])
+    calls = []
+    apply = mm.CausalAttention.apply
+    monkeypatch.setattr(mm.CausalAttention, "apply", lambda *a: calls.append(a[4:]) or apply(*a))
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 0.03)):
+        grads, logits = [], []
+        for packed in (False, True):
+            model = load_model(path, dtype=dtype)
+            if packed:
+                out = model(ids[None], positions=positions[None],
+                            paths=Paths(index, take, spans)).logits[0]
+                got = [out[nd] for nd in nodes]
+            else:
+                out = model(rows).logits
+                got = [out[r, :n] for r, n in enumerate(lengths)]
+            logits.append(torch.cat(got).float())
+            logits[-1].log_softmax(-1).max(-1).values.sum().backward()
+            grads.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
+        assert (logits[0] - logits[1]).abs().max() < tol * logits[0].abs().max()
+        assert _relative(grads[1], grads[0]) < tol
+    if fast_decode.extension().has_train_attention():
+        assert any(c and torch.equal(c[0], spans) for c in calls)
+
+
 def test_a_bf16_model_trains_through_the_tiles(built, tmp_path, monkeypatch):
     """A bf16 model's training gradients go through `CausalAttention` where it serves, and
     land as close to the fp32 model's as with PyTorch's kernel."""

@@ -205,16 +205,109 @@ def test_the_calls_of_one_conversation_share_a_row(ckpt, tmp_path, replay):
     assert any(len(b) >= 3 and all(c in b for c in chain) for b in batches)
 
 
-def test_micro_batches_respect_the_token_budget(ckpt, tmp_path):
+def group(ckpt, episodes=4, tokens=8) -> list[TrainSample]:
+    """A GRPO group's model calls: every episode's first call answers one prompt; two
+    episodes repeat another's first call token for token (as a sharp policy does) and
+    differ in the second; the rest sample their own first call."""
+    policy = load_policy(str(ckpt), dtype="float32", temperature=1.0, max_new_tokens=tokens)
+    prompt = policy.tokenizer.encode(PROMPTS[0])
+    out = []
+    for e in range(episodes):
+        torch.manual_seed(0 if e < 2 else e)               # episodes 0 and 1 share call 1
+        g = policy.generate(prompt, tokens)
+        out.append(TrainSample(list(prompt), g.tokens, g.logprobs, np.asarray(g.routes),
+                               policy.version, advantage=1.0 if e % 2 else -1.0))
+        nxt = list(prompt) + g.tokens + policy.tokenizer.encode(f"\nresult {e}\n")
+        torch.manual_seed(100 + e)
+        g = policy.generate(nxt, tokens)
+        out.append(TrainSample(nxt, g.tokens, g.logprobs, np.asarray(g.routes),
+                               policy.version, advantage=1.0 if e % 2 else -1.0))
+    return out
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_rows_that_start_alike_are_fed_once_with_the_values_of_rows_fed_apart(
+        ckpt, tmp_path, replay):
+    from learner.trainer import _rows, _tree
+    samples = group(ckpt)
+    rows = _rows(samples)
+    assert len(rows) == 4                                   # one row per episode
+    feeds = [np.asarray(samples[r[-1]].prompt_ids + samples[r[-1]].completion_ids[:-1])[:, None]
+             for r in rows]
+    nodes, n = _tree(feeds)
+    assert n < sum(map(len, feeds)) - 3 * len(samples[0].prompt_ids)   # more than the prompt
+    shared = len(samples[0].prompt_ids) + len(samples[0].completion_ids)
+    assert samples[2].completion_ids == samples[0].completion_ids       # episode 1: call 1 of
+    assert np.array_equal(nodes[1][:shared], nodes[0][:shared])         # episode 0, fed once
+    results, grads = [], []
+    for share in (True, False):
+        t = trainer(ckpt, tmp_path / str(share), share_prefixes=share)
+        perturb(t.model)
+        results.append(t.forward_batch(samples, replay=replay))
+        single = [t.forward(s, replay=replay) for s in samples]
+        t.step(samples)
+        grads.append({k: p.grad for k, p in t.model.named_parameters()})
+    for a, b, o in zip(*results, single):
+        assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+        assert (a.logprobs - o.logprobs).abs().max() < 1e-5
+        assert (a.flips, a.routed) == (b.flips, b.routed)   # counted per row either way
+    for k, g in grads[1].items():
+        torch.testing.assert_close(grads[0][k], g, rtol=1e-4, atol=1e-7)
+    # where episodes part, one packed position predicts two different tokens
+    assert len({s.completion_ids[0] for s in samples[::2]}) > 1
+
+
+def test_a_position_scored_for_several_tokens_gives_each_its_logprob():
+    from agent_runtime.model import token_logprobs
+    from learner.trainer import _token_logprobs
+    torch.manual_seed(0)
+    logits = torch.randn(3, 11, requires_grad=True)
+    rows = torch.tensor([0, 0, 1, 2, 2, 2])
+    target = torch.tensor([1, 2, 3, 4, 4, 5])
+    temps = torch.tensor([1.0, 1.0, 0.5, 1.0, 0.7, 1.0])
+    got = _token_logprobs(logits, rows, target, temps)
+    want = token_logprobs(logits[rows], target, temps)
+    torch.testing.assert_close(got, want)
+    g, = torch.autograd.grad(got.sum(), logits)
+    w, = torch.autograd.grad(want.sum(), logits)
+    torch.testing.assert_close(g, w)
+
+
+def test_a_prefix_is_shared_only_with_the_routes_it_was_fed_with(ckpt, tmp_path):
+    from learner.trainer import _tree
+    a = np.array([[5, 1, 2], [6, 3, 4], [7, 1, 2]])
+    b = a.copy()
+    b[1, 2] = 0                                             # another expert at position 1
+    nodes, n = _tree([a, b])
+    assert n == 3 + 2 and list(nodes[1]) == [0, 3, 4]
+    assert _tree([a, a.copy()])[1] == 3 and _tree([a, a.copy()], share=False)[1] == 6
+    samples = group(ckpt)[:4]
+    moved = samples[2].routes.copy()                        # episode 1 fed with other experts
+    moved[0] = (moved[0] + 1) % 4
+    samples[2] = replace(samples[2], routes=moved)
+    outs = []
+    for share in (True, False):
+        t = trainer(ckpt, tmp_path / str(share), share_prefixes=share)
+        perturb(t.model)
+        outs.append(t.forward_batch(samples, replay=True))
+    for a, b in zip(*outs):
+        assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_micro_batches_respect_the_token_budget(ckpt, tmp_path, share):
+    from learner.trainer import _tree
     samples = ragged(rollouts(ckpt, n=6))
     fed = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
-    t = trainer(ckpt, tmp_path, micro_batch_tokens=2 * max(fed))
+    budget = 2 * max(fed)
+    t = trainer(ckpt, tmp_path, micro_batch_tokens=budget, share_prefixes=share)
     batches = t.micro_batches(samples)
     assert sorted(map(id, sum(batches, []))) == sorted(map(id, samples))
     assert 1 < len(batches) < len(samples)
     for batch in batches:
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in batch]
-        assert len(batch) * max(lengths) <= 2 * max(fed)
+        feeds = [np.asarray(s.prompt_ids + s.completion_ids[:-1])[:, None] for s in batch]
+        assert _tree(feeds, share)[1] <= budget             # positions fed, a shared one once
+        assert len(batch) * max(map(len, feeds)) <= 2 * budget   # padded rows (attention)
     t.config.micro_batch_tokens = 1                            # every sample alone
     assert [len(b) for b in t.micro_batches(samples)] == [1] * len(samples)
 

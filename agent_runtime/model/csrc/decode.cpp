@@ -2601,14 +2601,44 @@ void gather_block(const Heads& x, const at::Tensor& t, int64_t b, int64_t h, int
 
 }  // namespace
 
+// The query positions [first, end) of each row b attention must compute (`spans` [B, 2]
+// int64: a packed prefix tree's path, whose other positions another path computes, and whose
+// padding nobody reads), or all of them. The query blocks from the one holding `first` run
+// (so dk and dv sum the blocks' products as the whole computation does: the same bits when
+// the other positions' gradient is 0); the positions before that block and from `end` on get
+// 0 as output, log-sum-exp and dq.
+at::Tensor query_spans(const c10::optional<at::Tensor>& spans, int64_t B, int64_t S,
+                       const char* name) {
+  if (!spans.has_value() || !spans->defined()) {
+    auto all = at::empty({B, 2}, at::kLong);
+    all.select(1, 0).fill_(0);
+    all.select(1, 1).fill_(S);
+    return all;
+  }
+  TORCH_CHECK(spans->dim() == 2 && spans->size(0) == B && spans->size(1) == 2, name,
+              ": spans [B, 2]");
+  auto c = spans->to(at::kLong).contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(0 <= p[2 * b] && p[2 * b] <= p[2 * b + 1] && p[2 * b + 1] <= S, name,
+                ": a span within [0, S]");
+  return c;
+}
+
 std::vector<at::Tensor> attention_train(const at::Tensor& q_, const at::Tensor& k_,
-                                        const at::Tensor& v_, double scale) {
+                                        const at::Tensor& v_, double scale,
+                                        const c10::optional<at::Tensor>& spans_) {
   RECORD_FUNCTION("apprentice::attention_train", std::vector<c10::IValue>({q_, k_}));
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const Heads x = heads(q, k, v, "attention_train");
   const int64_t S = x.S, D = x.D, Sp = up(S, 32);
-  auto out = at::empty({x.B, x.H, S, D}, q.options());
-  auto lse = at::empty({x.B, x.H, S}, q.options().dtype(at::kFloat));
+  const bool partial = spans_.has_value() && spans_->defined();
+  const at::Tensor spans = query_spans(spans_, x.B, S, "attention_train");
+  const int64_t* span = spans.data_ptr<int64_t>();
+  auto out = partial ? at::zeros({x.B, x.H, S, D}, q.options())
+                     : at::empty({x.B, x.H, S, D}, q.options());
+  auto lse = partial ? at::zeros({x.B, x.H, S}, q.options().dtype(at::kFloat))
+                     : at::empty({x.B, x.H, S}, q.options().dtype(at::kFloat));
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   float* lp = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
@@ -2618,10 +2648,11 @@ std::vector<at::Tensor> attention_train(const at::Tensor& q_, const at::Tensor& 
     std::vector<float> s(M * Sp), o(M * D);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / x.KV, h = job % x.KV;
-      pack_cols(x.kv(k, b, h), S, D, D, Sp, kt.data());    // k^T: [D, S] by pairs of D
-      pack_rows(x.kv(v, b, h), S, D, D, Sp, D, vp.data());  // v: [S, D] by pairs of positions
-      for (int64_t r0 = 0; r0 < S; r0 += kQBlock) {
-        const int64_t n = std::min(kQBlock, S - r0), L = r0 + n, Lp = up(L, 32), rows = x.G * n;
+      const int64_t end = span[2 * b + 1];
+      pack_cols(x.kv(k, b, h), end, D, D, Sp, kt.data());  // k^T: [D, S] by pairs of D
+      pack_rows(x.kv(v, b, h), end, D, D, Sp, D, vp.data());  // v: [S, D] by pairs of positions
+      for (int64_t r0 = span[2 * b] / kQBlock * kQBlock; r0 < end; r0 += kQBlock) {
+        const int64_t n = std::min(kQBlock, end - r0), L = r0 + n, Lp = up(L, 32), rows = x.G * n;
         gather_block(x, q, b, h, r0, n, a.data());
         tile_mm(rows, a.data(), D, kt.data(), Sp, L, D, s.data(), Lp, false);  // [rows, L]
         for (int64_t m = 0; m < rows; ++m) {
@@ -2646,7 +2677,8 @@ std::vector<at::Tensor> attention_train(const at::Tensor& q_, const at::Tensor& 
 std::vector<at::Tensor> attention_train_backward(const at::Tensor& dout_, const at::Tensor& q_,
                                                  const at::Tensor& k_, const at::Tensor& v_,
                                                  const at::Tensor& out_, const at::Tensor& lse_,
-                                                 double scale) {
+                                                 double scale,
+                                                 const c10::optional<at::Tensor>& spans_) {
   RECORD_FUNCTION("apprentice::attention_train_backward", std::vector<c10::IValue>({q_, k_}));
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   const at::Tensor dout = dout_.to(at::kBFloat16).contiguous(), out = out_.contiguous();
@@ -2655,7 +2687,11 @@ std::vector<at::Tensor> attention_train_backward(const at::Tensor& dout_, const 
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
               "attention_train_backward: dout and out shaped as q");
   const int64_t S = x.S, D = x.D, Sp = up(S, 32);
-  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  const bool partial = spans_.has_value() && spans_->defined();
+  const at::Tensor spans = query_spans(spans_, x.B, S, "attention_train_backward");
+  const int64_t* span = spans.data_ptr<int64_t>();
+  auto dq = partial ? at::zeros_like(q) : at::empty_like(q);
+  auto dk = at::empty_like(k), dv = at::empty_like(v);
   const float* lp = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   auto rows_of = [](at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
@@ -2666,14 +2702,14 @@ std::vector<at::Tensor> attention_train_backward(const at::Tensor& dout_, const 
         ds(M * Sp), at_(D * Mp), dat(D * Mp), pp(Mp * Sp);
     std::vector<float> s(M * Sp), dp(M * Sp), di(M), dqa(M * D), dkt(D * Sp), dvt(D * Sp);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / x.KV, h = job % x.KV;
-      pack_cols(x.kv(k, b, h), S, D, D, Sp, kt.data());    // k^T by pairs of D (scores)
-      pack_rows(x.kv(k, b, h), S, D, D, Sp, D, kn.data());  // k by pairs of positions (dq)
-      pack_cols(x.kv(v, b, h), S, D, D, Sp, vt.data());    // v^T by pairs of D (dp)
+      const int64_t b = job / x.KV, h = job % x.KV, end = span[2 * b + 1];
+      pack_cols(x.kv(k, b, h), end, D, D, Sp, kt.data());  // k^T by pairs of D (scores)
+      pack_rows(x.kv(k, b, h), end, D, D, Sp, D, kn.data());  // k by pairs of positions (dq)
+      pack_cols(x.kv(v, b, h), end, D, D, Sp, vt.data());  // v^T by pairs of D (dp)
       std::fill(dkt.begin(), dkt.end(), 0.0f);
       std::fill(dvt.begin(), dvt.end(), 0.0f);
-      for (int64_t r0 = 0; r0 < S; r0 += kQBlock) {
-        const int64_t n = std::min(kQBlock, S - r0), L = r0 + n, Lp = up(L, 32), rows = x.G * n;
+      for (int64_t r0 = span[2 * b] / kQBlock * kQBlock; r0 < end; r0 += kQBlock) {
+        const int64_t n = std::min(kQBlock, end - r0), L = r0 + n, Lp = up(L, 32), rows = x.G * n;
         const int64_t rp = up(rows, 32);
         gather_block(x, q, b, h, r0, n, a.data());
         gather_block(x, dout, b, h, r0, n, da.data());
@@ -2735,12 +2771,13 @@ std::vector<at::Tensor> attention_train_backward(const at::Tensor& dout_, const 
 }
 #else
 std::vector<at::Tensor> attention_train(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                        double) {
+                                        double, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "attention_train: built without AMX or AVX512-BF16");
 }
 std::vector<at::Tensor> attention_train_backward(const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, const at::Tensor&, double) {
+                                                 const at::Tensor&, const at::Tensor&, double,
+                                                 const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "attention_train_backward: built without AMX or AVX512-BF16");
 }
 #endif
@@ -3014,8 +3051,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm of bf16 rows without autograd");
   m.def("rope_rows", &rope_rows, "rotary embedding of bf16 q and k without autograd");
   m.def("attention_train", &attention_train,
-        "causal bf16 attention and its log-sum-exp (AMX tiles, else AVX512-BF16)");
-  m.def("attention_train_backward", &attention_train_backward, "its backward: dq, dk, dv");
+        "causal bf16 attention and its log-sum-exp (AMX tiles, else AVX512-BF16)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("spans") = py::none());
+  m.def("attention_train_backward", &attention_train_backward, "its backward: dq, dk, dv",
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+        py::arg("lse"), py::arg("scale"), py::arg("spans") = py::none());
   m.def("sample_rows", &sample_rows, "next token and its logprob per row (greedy or sampled)",
         py::arg("logits"), py::arg("temperature"), py::arg("u") = py::none());
   m.def("rms_norm_rows_backward", &rms_norm_rows_backward,
