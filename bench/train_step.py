@@ -1,7 +1,10 @@
 """A GRPO training step on real agent episodes: the calls of one conversation sharing a row of
-the training forward (the trainer's default) against one row per call, in one run; or, with
+the training forward (the trainer's default) against one row per call, in one run; with
 `--compare kernels`, the training kernels in C++ (`model.TRAIN_KERNELS`: RMSNorm, the rotary
-embedding and the loss's log-probabilities) against the PyTorch operations they replace.
+embedding and the loss's log-probabilities) against the PyTorch operations they replace; with
+`--compare prefixes`, GRPO groups (G episodes of one training task each, at the stage's
+temperature 0.6) with the rows that start alike fed once as a packed prefix tree (the
+trainer's default, `share_prefixes`) against every row fed apart.
 
 An agent episode is a conversation of many model calls, and each call's prompt is the whole
 conversation so far: fed one row per call, the trainer runs the system prompt and every tool
@@ -16,6 +19,7 @@ training logprobs between the two ways (router replay on), and the speed-up (off
     python bench/train_step.py                        # the shipped model, 8 episodes, 3 rounds
     python bench/train_step.py --model DIR -n 4 --max-steps 4 --rounds 2
     python bench/train_step.py --compare kernels      # C++ kernels against PyTorch's operations
+    python bench/train_step.py --compare prefixes -n 8 --groups 2   # a GRPO step's 2 groups of 8
 """
 
 from __future__ import annotations
@@ -51,6 +55,27 @@ def episodes(args, home: Path) -> list:
     return group_samples(group)
 
 
+def groups(args, home: Path) -> list:
+    """Samples of `args.groups` GRPO groups: `args.n` episodes of each of as many training
+    tasks, at temperature 0.6, each episode with an advantage of +1 or -1."""
+    from agent_runtime.policies import load_policy
+    from agent_runtime.policies.batching import BatchingPolicy
+    from agent_runtime.store import SessionStore
+    from learner.eval import evaluate, resolve_tasks
+    from learner.grpo import Episode, Group, group_samples
+
+    engine = load_policy(args.model, temperature=0.6, max_new_tokens=args.max_new_tokens)
+    policy = BatchingPolicy(engine)
+    store = SessionStore(home)
+    samples = []
+    for task in resolve_tasks("sim-train", args.groups):
+        report = evaluate([task] * args.n, lambda _t: policy, store, concurrency=args.n,
+                          max_steps=args.max_steps)
+        eps = [Episode(e.session_id, reward=float(i % 2)) for i, e in enumerate(report.episodes)]
+        samples += group_samples(Group(task.id, eps, [store.samples(e.session_id) for e in eps]))
+    return samples
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -58,9 +83,12 @@ def main(argv=None) -> None:
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--compare", choices=("rows", "kernels"), default="rows",
+    p.add_argument("--compare", choices=("rows", "kernels", "prefixes"), default="rows",
                    help="rows: one row per call against shared rows; kernels: PyTorch's "
-                        "operations against the C++ training kernels (shared rows both ways)")
+                        "operations against the C++ training kernels (shared rows both ways); "
+                        "prefixes: rows fed apart against a packed prefix tree (GRPO groups)")
+    p.add_argument("--groups", type=int, default=2,
+                   help="--compare prefixes: GRPO groups of -n episodes in the step")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -71,30 +99,37 @@ def main(argv=None) -> None:
     from agent_runtime.model import model as mm
     from agent_runtime.policies.base import resolve_model_path
     from learner.config import OptimConfig, TrainerConfig
-    from learner.trainer import Trainer, _fed_len, _rows
+    from learner.trainer import Trainer, _fed_len, _rows, _tree
 
     if args.threads:
         torch.set_num_threads(args.threads)
     home = Path(tempfile.mkdtemp(prefix="apprentice-train-bench-"))
-    samples = episodes(args, home / "store")
+    prefixes = args.compare == "prefixes"
+    samples = (groups if prefixes else episodes)(args, home / "store")
     fed = {"off": sum(map(_fed_len, samples)),
            "on": sum(_fed_len(samples[row[-1]]) for row in _rows(samples))}
-    print(f"{len(samples)} samples of {args.n} episodes, {sum(s.n_tokens for s in samples):,} "
-          f"completion tokens; fed per step: one row per call {fed['off']:,} tokens, "
-          f"shared rows {fed['on']:,}", flush=True)
+    feeds = [samples[r[-1]].prompt_ids + samples[r[-1]].completion_ids[:-1]
+             for r in _rows(samples)]
+    packed = _tree([torch.tensor(f)[:, None].numpy() for f in feeds])[1]
+    print(f"{len(samples)} samples of {args.n * (args.groups if prefixes else 1)} episodes, "
+          f"{sum(s.n_tokens for s in samples):,} completion tokens; fed per step: one row per "
+          f"call {fed['off']:,} tokens, shared rows {fed['on']:,}, a packed prefix tree "
+          f"{packed:,}", flush=True)
     path = resolve_model_path(args.model)
     start = load_model(path, dtype=torch.float32).state_dict()
     rows = args.compare == "rows"
     names = {"off": "one row per call", "on": "shared rows"} if rows else \
+        {"off": "rows fed apart", "on": "a packed prefix tree"} if prefixes else \
         {"off": "PyTorch's operations", "on": "C++ kernels"}
     trainers = {}
     for side in ("off", "on"):
         config = TrainerConfig(optim=OptimConfig(lr=1e-6), share_rows=side == "on" or not rows,
+                               share_prefixes=side == "on" or not prefixes,
                                checkpoint_every=0, precision="fp32" if rows else "auto")
         trainers[side] = Trainer(load_model(path, dtype=torch.float32), home / side, config)
 
     def use(side: str) -> None:
-        if not rows:
+        if args.compare == "kernels":
             mm.TRAIN_KERNELS = side == "on"
     lp = {}
     with torch.no_grad():

@@ -66,9 +66,10 @@ class TrainerConfig:
                                     # the hardware has native bf16 matmuls); the GRPO stage and
                                     # the online learner use "auto"
     seed: int = 0                   # torch seed at the start of a fresh run
-    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per training forward
-                                    # and backward: bounds activation memory; a longer sample
-                                    # goes alone. The gradient does not depend on it
+    micro_batch_tokens: int = 8192  # positions fed per training forward and backward (a
+                                    # shared prefix once; rows x longest row at most twice it,
+                                    # attention's share): bounds activation memory; a longer
+                                    # sample goes alone. The gradient does not depend on it
     share_rows: bool = True         # the calls of one conversation share a row of the training
                                     # forward (fed once, scored per call); off: a row per call
     share_prefixes: bool = True     # rows that start with the same tokens and routes (a GRPO

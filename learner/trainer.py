@@ -10,8 +10,10 @@ router still learns), and scores only the T completion tokens. Two diagnostics a
 every forward: the route-flip rate (share of (token, MoE layer) pairs where the router's own
 top-k set differs from the recorded one; with replay on the forced routes are used anyway)
 and the train-vs-behaviour KL (k3 estimate over completion tokens). A step runs one forward
-and one backward per micro-batch: samples sorted by length and right-padded up to
-`micro_batch_tokens` padded tokens; the loss is still the token-level mean over the whole step.
+and one backward per micro-batch: the rows of its samples (a conversation's calls share one)
+packed into one sequence without padding, rows that start alike (a GRPO group's episodes)
+feeding their common prefix once, up to `micro_batch_tokens` positions; the loss is still the
+token-level mean over the whole step.
 
 Run folder: `metrics.db` (table `steps`, one row per step), `checkpoints/step-NNNNNNNN.pt`
 (model, optimizer, step, version, RNG, the caller's extra state; written atomically, the

@@ -443,13 +443,16 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)                        # [B, kv, S, D]
         group = a.num_heads // a.num_kv_heads
         if paths is not None:                  # each path's causal attention, as its own row
-            q, k, v = (t[0][:, paths.index].transpose(0, 1) for t in (q, k, v))  # [R, _, L, D]
+            R, L = paths.index.shape          # index_select: its backward adds, no sort
+            q, k, v = (t[0].index_select(1, paths.index.flatten())
+                       .view(t.shape[1], R, L, a.head_dim).transpose(0, 1) for t in (q, k, v))
             if _whole_sequence_in_cpp(q, k, v):   # only the positions a path computes
                 out = CausalAttention.apply(q, k, v, a.scale, paths.spans)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.scale,
                                                      enable_gqa=group > 1)
-            out = out.transpose(1, 2).reshape(-1, a.num_heads * a.head_dim)[paths.take]
+            out = out.transpose(1, 2).reshape(-1, a.num_heads * a.head_dim) \
+                .index_select(0, paths.take)
             return self.o_proj(out[None].to(x.dtype))                    # [1, T, heads * D]
         if cache is None and mask is None and causal and T > 1 and _whole_sequence_in_cpp(q, k, v):
             out = CausalAttention.apply(q, k, v, a.scale)      # training (and scoring) in bf16
