@@ -20,6 +20,7 @@ training logprobs between the two ways (router replay on), and the speed-up (off
     python bench/train_step.py --model DIR -n 4 --max-steps 4 --rounds 2
     python bench/train_step.py --compare kernels      # C++ kernels against PyTorch's operations
     python bench/train_step.py --compare prefixes -n 8 --groups 2   # a GRPO step's 2 groups of 8
+    python bench/train_step.py --compare prefixes --store RUN/grpo/run0/home --skip 2
 """
 
 from __future__ import annotations
@@ -76,6 +77,29 @@ def groups(args, home: Path) -> list:
     return samples
 
 
+def recorded_groups(args, _home: Path) -> list:
+    """Samples of the first `args.groups` groups of `args.n` episodes with unequal rewards in a
+    GRPO run's store (`args.store`: a stage's `run0/home`), with their recorded rewards."""
+    import collections
+
+    from agent_runtime.store import SessionStore
+    from learner.grpo import Episode, Group, group_samples
+
+    store = SessionStore(args.store)
+    by_group = collections.defaultdict(list)          # a group: one task, one policy version
+    for sid, task, reward, version in store.db.execute(
+            "SELECT r.session_id, r.task_id, r.reward, s.policy_version FROM rewards r "
+            "JOIN sessions s ON s.id = r.session_id ORDER BY s.created_at").fetchall():
+        by_group[(task, version)].append(Episode(sid, reward))
+    picked = [eps for eps in by_group.values()
+              if len(eps) == args.n and len({e.reward for e in eps}) > 1][args.skip:]
+    samples = []
+    for eps in picked[:args.groups]:
+        samples += group_samples(Group("recorded", eps, [store.samples(e.session_id)
+                                                         for e in eps]))
+    return samples
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -89,6 +113,9 @@ def main(argv=None) -> None:
                         "prefixes: rows fed apart against a packed prefix tree (GRPO groups)")
     p.add_argument("--groups", type=int, default=2,
                    help="--compare prefixes: GRPO groups of -n episodes in the step")
+    p.add_argument("--store", help="--compare prefixes: take the groups from a GRPO run's "
+                                   "store (its run0/home) instead of rolling them out")
+    p.add_argument("--skip", type=int, default=0, help="--store: groups to pass over first")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -105,7 +132,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     home = Path(tempfile.mkdtemp(prefix="apprentice-train-bench-"))
     prefixes = args.compare == "prefixes"
-    samples = (groups if prefixes else episodes)(args, home / "store")
+    make = (recorded_groups if args.store else groups) if prefixes else episodes
+    samples = make(args, home / "store")
     fed = {"off": sum(map(_fed_len, samples)),
            "on": sum(_fed_len(samples[row[-1]]) for row in _rows(samples))}
     feeds = [samples[r[-1]].prompt_ids + samples[r[-1]].completion_ids[:-1]
