@@ -523,9 +523,7 @@ def _tree(keys: Sequence[np.ndarray], share: bool = True) -> tuple[list[np.ndarr
     for key in keys:
         best, common = -1, 0
         for j, other in enumerate(keys[:len(nodes)] if share else ()):
-            m = min(len(key), len(other))
-            same = (key[:m] == other[:m]).all(axis=1)
-            c = m if same.all() else int(same.argmin())
+            c = _common(key, other)
             if c > common:
                 best, common = j, c
         at = np.empty(len(key), dtype=np.int64)
@@ -537,10 +535,13 @@ def _tree(keys: Sequence[np.ndarray], share: bool = True) -> tuple[list[np.ndarr
     return nodes, n
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two token lists."""
+def _common(a: Sequence, b: Sequence) -> int:
+    """Length of the common prefix of two rows: token lists, or [L, K] arrays whose K columns
+    must all be equal."""
     m = min(len(a), len(b))
     same = np.asarray(a[:m]) == np.asarray(b[:m])
+    if same.ndim > 1:
+        same = same.all(axis=1)
     return m if same.all() else int(same.argmin())
 
 
