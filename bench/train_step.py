@@ -37,44 +37,41 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def episodes(args, home: Path) -> list:
-    """Samples of `args.n` recorded episodes, each with an advantage of +1 or -1."""
+def played(args, home: Path, tasks: list[list], temperature: float) -> list:
+    """Samples of each list of tasks played as one group by the model at `temperature`
+    (recorded with routes, as the GRPO pipeline records them), each episode with an
+    advantage of +1 or -1."""
     from agent_runtime.policies import load_policy
     from agent_runtime.policies.batching import BatchingPolicy
     from agent_runtime.store import SessionStore
-    from learner.eval import evaluate, resolve_tasks
+    from learner.eval import evaluate
     from learner.grpo import Episode, Group, group_samples
 
-    engine = load_policy(args.model, temperature=1.0, max_new_tokens=args.max_new_tokens)
+    engine = load_policy(args.model, temperature=temperature,
+                         max_new_tokens=args.max_new_tokens)
     policy = BatchingPolicy(engine)
     store = SessionStore(home)
-    tasks = resolve_tasks("sim-heldout", args.n)
-    report = evaluate(tasks, lambda _t: policy, store, concurrency=args.n,
-                      max_steps=args.max_steps)
-    eps = [Episode(e.session_id, reward=float(i % 2)) for i, e in enumerate(report.episodes)]
-    group = Group("bench", eps, [store.samples(e.session_id) for e in eps])
-    return group_samples(group)
+    samples = []
+    for group in tasks:
+        report = evaluate(group, lambda _t: policy, store, concurrency=len(group),
+                          max_steps=args.max_steps)
+        eps = [Episode(e.session_id, reward=float(i % 2)) for i, e in enumerate(report.episodes)]
+        samples += group_samples(Group("bench", eps, [store.samples(e.session_id) for e in eps]))
+    return samples
+
+
+def episodes(args, home: Path) -> list:
+    """Samples of `args.n` held-out episodes at temperature 1, one task each."""
+    from learner.eval import resolve_tasks
+    return played(args, home, [resolve_tasks("sim-heldout", args.n)], 1.0)
 
 
 def groups(args, home: Path) -> list:
     """Samples of `args.groups` GRPO groups: `args.n` episodes of each of as many training
-    tasks, at temperature 0.6, each episode with an advantage of +1 or -1."""
-    from agent_runtime.policies import load_policy
-    from agent_runtime.policies.batching import BatchingPolicy
-    from agent_runtime.store import SessionStore
-    from learner.eval import evaluate, resolve_tasks
-    from learner.grpo import Episode, Group, group_samples
-
-    engine = load_policy(args.model, temperature=0.6, max_new_tokens=args.max_new_tokens)
-    policy = BatchingPolicy(engine)
-    store = SessionStore(home)
-    samples = []
-    for task in resolve_tasks("sim-train", args.groups):
-        report = evaluate([task] * args.n, lambda _t: policy, store, concurrency=args.n,
-                          max_steps=args.max_steps)
-        eps = [Episode(e.session_id, reward=float(i % 2)) for i, e in enumerate(report.episodes)]
-        samples += group_samples(Group(task.id, eps, [store.samples(e.session_id) for e in eps]))
-    return samples
+    tasks, at the stage's temperature 0.6."""
+    from learner.eval import resolve_tasks
+    return played(args, home, [[t] * args.n for t in resolve_tasks("sim-train", args.groups)],
+                  0.6)
 
 
 def recorded_groups(args, _home: Path) -> list:
@@ -120,6 +117,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
+    import numpy as np
     import torch
 
     from agent_runtime.model import load_model
@@ -138,7 +136,7 @@ def main(argv=None) -> None:
            "on": sum(_fed_len(samples[row[-1]]) for row in _rows(samples))}
     feeds = [samples[r[-1]].prompt_ids + samples[r[-1]].completion_ids[:-1]
              for r in _rows(samples)]
-    packed = _tree([torch.tensor(f)[:, None].numpy() for f in feeds])[1]
+    packed = _tree([np.asarray(f)[:, None] for f in feeds])[1]
     print(f"{len(samples)} samples of {args.n * (args.groups if prefixes else 1)} episodes, "
           f"{sum(s.n_tokens for s in samples):,} completion tokens; fed per step: one row per "
           f"call {fed['off']:,} tokens, shared rows {fed['on']:,}, a packed prefix tree "

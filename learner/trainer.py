@@ -172,15 +172,15 @@ class Trainer:
             fed.append(np.asarray(list(last.prompt_ids) + list(last.completion_ids[:-1]),
                                   dtype=np.int64))
             own = np.empty(len(fed[-1]), dtype=np.int64)  # the first sample to feed a position
+            r = torch.empty((len(own),) + recorded[0].shape[1:], dtype=torch.long,
+                            device=dev) if all(with_routes) else None
             for i in reversed(row):                       # owns it (and its routes)
-                own[:_fed_len(samples[i])] = i
+                n = _fed_len(samples[i])
+                own[:n] = i
+                if r is not None:
+                    r[:n] = recorded[i]
             owner.append(own)
-            if all(with_routes):
-                r = torch.empty((len(own),) + recorded[0].shape[1:], dtype=torch.long,
-                                device=dev)
-                for i in row:
-                    mine = torch.from_numpy(own == i).to(dev)
-                    r[mine] = recorded[i][mine[:_fed_len(samples[i])]]
+            if r is not None:
                 row_routes.append(r)
         keys = [f[:, None] for f in fed]
         if row_routes:              # a position is shared only with the routes it was fed with
