@@ -298,6 +298,10 @@ def _task_spec(ctx, param, value: str) -> str:
               show_default=True,
               help="Task groups in one training batch.")
 @click.option("--lr", type=float, default=_OPTIM.lr, show_default=True, help="AdamW learning rate.")
+@click.option("--iterations", type=click.IntRange(1), default=_TRAINER.iterations,
+              show_default=True,
+              help="Optimizer steps on each batch (GRPO's mu, TRL's num_iterations): the "
+                   "passes after the first clip the ratio to the recorded behaviour.")
 @click.option("--max-staleness", type=click.IntRange(0), default=_PIPELINE.max_staleness,
               show_default=True,
               help="Drop samples more than this many versions behind the trainer.")
@@ -332,7 +336,7 @@ def _task_spec(ctx, param, value: str) -> str:
 @click.option("--workers", type=click.IntRange(1), default=_ROLLOUT.workers, show_default=True,
               help="Async rollout workers, each with its own policy copy.")
 def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay: bool,
-         groups_per_step: int, lr: float, max_staleness: int, max_new_tokens: int,
+         groups_per_step: int, lr: float, iterations: int, max_staleness: int, max_new_tokens: int,
          max_steps: int, checkpoint_every: int, temperature: float, run_dir: Path | None,
          versions_dir: Path | None, seed: int, threads: int, idle_threads: int, backend: str,
          address: str | None, workers: int) -> None:
@@ -353,7 +357,7 @@ def grpo(model: str, family: str, group: int, steps: int, sync: bool, no_replay:
         model=model, tasks=family,
         trainer=c.TrainerConfig(optim=c.OptimConfig(lr=lr), router_replay=not no_replay,
                                 temperature=temperature, seed=seed,
-                                checkpoint_every=checkpoint_every),
+                                checkpoint_every=checkpoint_every, iterations=iterations),
         rollout=c.RolloutConfig(group_size=group, concurrency=group, max_new_tokens=max_new_tokens,
                                 max_steps=max_steps, backend=backend, workers=workers),
         pipeline=c.PipelineConfig(mode="sync" if sync else "async", steps=steps,

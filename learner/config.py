@@ -77,6 +77,11 @@ class TrainerConfig:
                                     # tree, attention along each row (`Trainer.forward_batch`)
     trainable: tuple[str, ...] = () # regexes of the parameter names that train (`re.search`);
                                     # the others stay as loaded. Empty: all of them
+    iterations: int = 1             # optimizer steps on each batch (GRPO's mu, TRL's
+                                    # num_iterations, veRL's ppo_epochs): every pass after the
+                                    # first scores the same samples with the weights the last
+                                    # one left, the ratio to their behaviour logprobs clipped as
+                                    # in the first; one version published per batch
 
 
 @dataclass

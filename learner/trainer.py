@@ -287,16 +287,47 @@ class Trainer:
 
     def step(self, samples: Sequence[TrainSample], extra_metrics: dict | None = None,
              extra_state: dict | None = None) -> dict:
-        """One optimizer step on `samples` (token-level mean loss over the whole batch, one
-        forward and backward per micro-batch), then publish the new version, record the
-        metrics row and checkpoint. An empty batch skips the update."""
+        """`config.iterations` optimizer steps on `samples` (each the token-level mean loss
+        over the whole batch, one forward and backward per micro-batch), then publish the new
+        version, record the metrics row and checkpoint. The row's diagnostics (KL to the
+        behaviour policy, route flips) are the first pass's, its loss statistics the last's
+        (how far the passes moved the ratios: `clip_frac`, `ratio_mean`). An empty batch
+        skips the update."""
         t0 = time.perf_counter()
         c = self.config
         n_tok = sum(s.n_tokens for s in samples)
-        acc = _Acc()
         scale = balance_scale(samples, c.loss.negatives) if c.loss.balance else 1.0
+        batches = self.micro_batches(samples)
+        updated = n_tok > 0
+        passes, norms = [], []
+        for _ in range(max(1, c.iterations) if updated else 1):
+            passes.append(self._pass(batches, n_tok, scale))
+            if updated:
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                norms.append(float(torch.nn.utils.clip_grad_norm_(
+                    params, c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf)))
+                self.optimizer.step()       # the bf16 copy follows (`Bf16Copy.synced`)
+        self.step_count += 1
+        if updated:
+            self.publish()
+        row = {"step": self.step_count, "version": self.version, "time": time.time(),
+               "updated": int(updated), "samples": len(samples), "tokens": n_tok,
+               "replay": int(c.router_replay), "grad_norm": norms[0] if norms else math.nan,
+               "lr": c.optim.lr, "negative_scale": scale, "iterations": len(norms),
+               **passes[0].diagnostics(), **passes[-1].loss_stats(),
+               "train_s": time.perf_counter() - t0, **(extra_metrics or {})}
+        self.log_metrics(row)
+        if c.checkpoint_every and self.step_count % c.checkpoint_every == 0:
+            self.save_checkpoint(extra_state)
+        return row
+
+    def _pass(self, batches: list[list[TrainSample]], n_tok: int, scale: float) -> _Acc:
+        """One forward and backward over every micro-batch, gradients summed into the fp32
+        masters (zeroed first); returns the pass's sums."""
+        c = self.config
+        acc = _Acc()
         self.optimizer.zero_grad(set_to_none=True)
-        for batch in self.micro_batches(samples):
+        for batch in batches:
             if self.threads is not None:
                 torch.set_num_threads(self.threads())
             outs = self.forward_batch(batch)
@@ -324,26 +355,7 @@ class Trainer:
                 if not s.off_policy:        # no behaviour policy to compare with
                     acc.add_forward(out, b, s.forced)
             acc.add_loss(float(loss.detach().sum()), stats)
-        updated = n_tok > 0
-        grad_norm = math.nan
-        if updated:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                params, c.optim.grad_clip if c.optim.grad_clip > 0 else math.inf))
-            self.optimizer.step()
-        self.step_count += 1
-        if updated:
-            self.publish()
-        row = {"step": self.step_count, "version": self.version, "time": time.time(),
-               "updated": int(updated), "samples": len(samples), "tokens": n_tok,
-               "replay": int(c.router_replay), "grad_norm": grad_norm, "lr": c.optim.lr,
-               "negative_scale": scale,
-               **acc.diagnostics(), **acc.loss_stats(), "train_s": time.perf_counter() - t0,
-               **(extra_metrics or {})}
-        self.log_metrics(row)
-        if c.checkpoint_every and self.step_count % c.checkpoint_every == 0:
-            self.save_checkpoint(extra_state)
-        return row
+        return acc
 
     # -- versions -----------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class GRPOStageConfig:
     group_size: int = 8             # episodes per task (G)
     groups_per_step: int = 2        # task groups per training batch
     lr: float = 2e-5                # AdamW learning rate
+    iterations: int = 1             # optimizer steps on each batch (`TrainerConfig.iterations`)
     temperature: float = 1.0        # rollout sampling temperature
     max_new_tokens: int = 400       # per model call in rollouts
     max_steps: int = 10             # model calls per episode
@@ -329,7 +330,7 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
                                  optim=lc.OptimConfig(lr=g.lr), router_replay=True,
                                  temperature=g.temperature, device=device, seed=g.seed,
                                  checkpoint_every=5, precision="auto",
-                                 trainable=tuple(g.trainable)),
+                                 trainable=tuple(g.trainable), iterations=g.iterations),
         rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers, partial_credit=g.partial_credit,

@@ -500,6 +500,27 @@ def test_step_changes_parameters_and_publishes_a_bf16_version(ckpt, tmp_path):
     assert [v["version"] for v in store.policy_versions()] == [1, 2]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_iterations_are_optimizer_steps_on_one_batch_against_its_behaviour(ckpt, tmp_path,
+                                                                            precision):
+    """Two passes in one step end where two steps on the same samples do (the ratio to the
+    recorded behaviour logprobs, not to the first pass's), but publish one version."""
+    samples = rollouts(ckpt, n=6)
+    one = trainer(ckpt, tmp_path / "one", iterations=2, precision=precision)
+    apart = trainer(ckpt, tmp_path / "apart", precision=precision)
+    row = one.step(samples)
+    rows = [apart.step(samples), apart.step(samples)]
+    for name, weight in one.model.state_dict().items():
+        assert torch.equal(weight, apart.model.state_dict()[name]), name
+    assert one.step_count == 1 and one.version == 1 and apart.version == 2
+    assert row["iterations"] == 2 and rows[0]["iterations"] == 1
+    for key in ("kl", "flip_rate", "grad_norm"):         # the first pass's
+        assert row[key] == rows[0][key], key
+    for key in ("loss", "ratio_mean", "clip_frac"):      # the last pass's
+        assert row[key] == rows[1][key], key
+    assert rows[0]["clip_frac"] == 0 < rows[1]["clip_frac"]     # the second pass's moved
+
+
 def test_an_empty_batch_skips_the_update(ckpt, tmp_path):
     t = trainer(ckpt, tmp_path)
     t.publish()
