@@ -34,7 +34,7 @@ from agent_runtime.names import ORIGIN_USER
 from agent_runtime.callgrammar import CallGrammar, WorkspaceView
 from agent_runtime.mentions import with_mentions, workspace_files
 from agent_runtime.policies.base import Completion, Policy, constrains, remembers
-from agent_runtime.toolcalls import ToolCall, check_calls, parse_tool_calls
+from agent_runtime.toolcalls import ToolCall, call_key, check_calls, parse_tool_calls
 from agent_runtime.tools.base import Tool, ToolContext, ToolError, tool_schema
 
 DEFAULT_SYSTEM_PROMPT = """\
@@ -302,7 +302,8 @@ class Agent:
 
     def _check_stuck(self) -> None:
         """Raise `Stuck` when the last `stuck_after` turns made the same calls and got the
-        same results: nothing the model saw changed, so a greedy policy would go on the same
+        same results, durations aside (`call_key`): nothing the model saw changed but a
+        test run's timing, so a greedy policy would go on the same
         way until the step budget is spent (with the default model, a quarter of all its
         calls on held-out tasks: README, "Stuck runs end")."""
         k, turns = self.config.stuck_after, self._turns
@@ -351,8 +352,8 @@ class Agent:
             outcomes = self._execute(group)
             for call, row, outcome in zip(group, rows, outcomes):
                 self._finish_call(call, row, outcome)
-                turn.append((call.name, json.dumps(call.arguments, sort_keys=True)
-                             if call.arguments is not None else call.raw, outcome.text))
+                turn.append(call_key(call.name, call.arguments if call.arguments is not None
+                                     else call.raw, outcome.text))
                 if call.name == "finish" and outcome.ok:
                     finish_summary = str((call.arguments or {}).get("summary") or outcome.text)
         self._turns.append(tuple(turn))

@@ -113,6 +113,7 @@ from agent_runtime import names
 from agent_runtime.agent import EDITS_FILE, INVALID_CALL
 from agent_runtime.approvals import EDIT_TOOLS
 from agent_runtime.learning import RATED_SAMPLES_SQL, load_config, workspace_excluded
+from agent_runtime.toolcalls import call_key
 
 PLUGIN_WEIGHT = 0.5                 # a source a plugin declares (`register_feedback_sources`)
 REWARD_WEIGHTS = {
@@ -136,7 +137,6 @@ DISSATISFIED = re.compile(
     r"undo|revert|roll ?back|put it back|not what i (asked|wanted|meant)|"
     r"(did ?n'?t|did not) ask|(does ?n'?t|does not|did ?n'?t|did not) work|you broke|"
     r"broke (it|the)|stop doing|wrong (file|change|fix))\b", re.IGNORECASE)
-DURATION = re.compile(r"\b\d+(\.\d+)?\s?(s|ms|sec|seconds)\b")   # `8 passed in 0.02s`
 TEST_COMMAND = re.compile(
     r"(^|[\s/;&|])(pytest|py\.test|unittest|tox|nox|test_\w+\.py|\w+_test\.py|"
     r"npm (run )?test|yarn test|cargo test|go test|make (test|check)|ctest)\b")
@@ -295,8 +295,7 @@ def repeated_calls(calls: list[dict]) -> dict[int, str]:
     for c in calls:
         if c["name"] == INVALID_CALL or c["message_id"] is None:
             continue
-        key = json.dumps([c["name"], c["arguments"], DURATION.sub("", c["result"] or "")],
-                         sort_keys=True)
+        key = call_key(c["name"], c["arguments"], c["result"])
         by_message.setdefault(c["message_id"], []).append(key in seen)
         names_of.setdefault(c["message_id"], c["name"])
         seen.add(key)

@@ -122,6 +122,16 @@ def test_the_same_calls_with_the_same_results_four_turns_in_a_row_end_the_run(st
     assert result.status == "finished"
 
 
+def test_a_command_whose_output_differs_only_in_its_timing_is_the_same_result(store, workspace):
+    """A test run prints a new duration every time (`1 passed in 0.02s`): rerunning it with
+    nothing changed is still stuck, as the learner's `repeated_call` signal already counts it."""
+    timed = call("run_command", command="python -c \"import time; print(f'ok in {time.time()}s')\"")
+    _, result = run([timed] * 10, store, workspace)
+    outputs = [m["content"] for m in tool_messages(store, result.session_id)]
+    assert len(set(outputs)) == len(outputs) == 4                  # four different timings
+    assert (result.status, result.steps) == ("failed", 4)
+
+
 def test_running_out_of_script_fails_the_session_with_the_reason(store, workspace):
     _, result = run([call("list_files")], store, workspace)
     assert result.status == "failed" and "ReplayExhausted" in result.summary
