@@ -29,13 +29,6 @@ _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.D
 _FENCE = re.compile(r"^```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?```$", re.DOTALL)
 _JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object", "null")
 DURATION = re.compile(r"\b\d+(\.\d+)?\s?(s|ms|sec|seconds)\b")   # `8 passed in 0.02s`
-
-
-def call_key(name: str | None, arguments: Any, result: str | None) -> str:
-    """What makes two tool calls the same call with the same result: the tool, its arguments
-    and its result with durations left out (a test run prints a new one every time). The
-    agent's stuck detector and the learner's `repeated_call` signal both compare these."""
-    return json.dumps([name, arguments, DURATION.sub("", result or "")], sort_keys=True)
 # A concrete call, not `{"name": "<tool name>", ...}`: small models copy a placeholder name
 # verbatim, and then every call fails the same way.
 FORMAT_HINT = ('Write each call as one JSON object, for example\n<tool_call>\n'
@@ -272,3 +265,10 @@ def visible_text(raw: str) -> str:
             text = text[:-n]
             break
     return text.strip()
+
+
+def call_key(name: str | None, arguments: Any, result: str | None) -> str:
+    """What makes two tool calls the same call with the same result: the tool, its arguments
+    and its result with durations left out (a test run prints a new one every time). The
+    agent's stuck detector and the learner's `repeated_call` signal both compare these."""
+    return json.dumps([name, arguments, DURATION.sub("", result or "")], sort_keys=True)
