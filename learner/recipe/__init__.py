@@ -59,7 +59,7 @@ def default_recipe() -> RecipeConfig:
             train=LMConfig(steps=20000, lr=2e-3, warmup=30, max_seconds=1800, fit_to_time=True,
                            checkpoint_every=50, log_every=10),
             corpus_bytes=8_000_000, task_repos=TASK_REPOS, seq_len=1024, batch_size=16,
-            repeat_share=0.2, copy_share=0.4, eval_windows=16, eval_every=100),
+            repeat_share=0.2, copy_share=0.4, eval_windows=32, eval_every=100),
         sft=SFTConfig(
             train=LMConfig(steps=50000, lr=1e-3, warmup=50, weight_decay=0.0, max_seconds=3000,
                            fit_to_time=True, checkpoint_every=100, log_every=20,

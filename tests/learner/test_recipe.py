@@ -440,6 +440,28 @@ def test_a_two_token_induction_match_copies_where_one_token_is_ambiguous(tok_dir
         torch.testing.assert_close(hf(ids).logits, two(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_perplexity_windows_spread_over_the_whole_heldout_array(tok_dir):
+    """Two windows are the first and the last of the array, not the first two (which on the
+    default corpus are one table file)."""
+    from learner.recipe.pretrain import perplexity
+    model = init_model(TINY, load_tokenizer(tok_dir), seed=0).eval()
+    seq = 32
+    data = np.random.default_rng(0).integers(0, 256, size=10 * seq + 5).astype(np.uint16)
+    tokens = torch.from_numpy(data.astype(np.int64))
+
+    def window_loss(start: int) -> float:
+        row = tokens[start:start + seq + 1][None]
+        with torch.no_grad():
+            logits = model(row[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits[0].float(), row[0, 1:]).item()
+
+    first, second, last = window_loss(0), window_loss(seq), window_loss(len(data) - 1 - seq)
+    assert abs(last - second) > 1e-3          # the placement is visible in the result
+    got = perplexity(model, data, seq, 2, "cpu")
+    assert got == pytest.approx(np.exp((first + last) / 2), rel=1e-5)
+    assert perplexity(model, data, seq, 1, "cpu") == pytest.approx(np.exp(first), rel=1e-5)
+
+
 def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir, tmp_path):
     from learner.recipe import RecipeConfig, run_recipe
     out = tmp_path / "recipe"
