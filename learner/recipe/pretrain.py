@@ -381,7 +381,7 @@ def perplexity(model: MoEModel, data: np.ndarray, seq_len: int, windows: int, de
     n = min(windows, (len(tokens) - 1) // seq_len)
     if n == 0:
         return float("nan")
-    starts = np.linspace(0, len(tokens) - 1 - seq_len, n).astype(np.int64) if n > 1 else [0]
+    starts = np.linspace(0, len(tokens) - 1 - seq_len, n).astype(np.int64)
     total, count = 0.0, 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") \
         else torch.autocast("cpu", enabled=False)
