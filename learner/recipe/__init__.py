@@ -25,9 +25,10 @@ from learner.recipe.evaluate import EvalConfig
 from learner.recipe.lm import LMConfig
 from learner.recipe.pretrain import ModelShape, PretrainConfig
 from learner.recipe.rft import RFTConfig
-from learner.recipe.sft import CodeConfig, SFTConfig
+from learner.recipe.sft import CODE_FAMILIES, CodeConfig, SFTConfig
 from learner.recipe.stages import STAGES, GRPOStageConfig, RecipeConfig, run_recipe
 from learner.recipe.tokenizer_stage import TokenizerConfig
+from learner.tasks import FAMILIES
 
 
 # The shipped model's shape, sized for a 2-core CPU: 12.7 M parameters (~5 M active per token),
@@ -82,7 +83,7 @@ def default_recipe() -> RecipeConfig:
                              temperature=0.6, max_new_tokens=320, max_steps=12, workers=1,
                              max_seconds=600, task_seed=1, phrasings=0.6, revisit=0.5,
                              max_skipped=4, task_count=96, partial_credit=0.5,
-                             families=("rename_symbol", "fix_import", "fix_command"),
+                             families=tuple(f for f in FAMILIES if f not in CODE_FAMILIES),
                              guide=1.0, guide_shaping=0.1, balance=True,
                              stop_after_failed_checks=1, start_share=0.5),
         # a quick check inside the time budget (each model gets 100 s of episodes on 2
