@@ -107,11 +107,17 @@ class RolloutConfig:
                                     # turns (uniform over its plan; `tasks.oracle.OracleStart`):
                                     # shorter episodes whose outcome the policy's few calls
                                     # decide. Only tasks with an oracle plan (sim); 0: off
+    slip_start: float = 0.0         # share of the other groups that start after a slip: the
+                                    # oracle's turns up to one call played with a mistake (a
+                                    # search for a name the code lacks, a garbled path or
+                                    # `old`; `tasks.oracle.slip_start`), so the policy plays the
+                                    # recovery. Sim only; 0: off
     guide: float = 0.0              # share of the groups in which no episode passed that get
                                     # the oracle's episode as one more member (`tasks.oracle.
                                     # GuidePolicy`; LUFFY's off-policy guidance): the group
                                     # then holds a pass its failures rank below. Sim only, groups
-                                    # not oracle-started; 0: off
+                                    # not oracle-started (a slip start's guide plays its plan's
+                                    # recovery); 0: off
     stop_after_failed_checks: int = 0  # end an episode at this many failed checks after its
                                     # first change (`learner.rollout.FailedChecks`): of the
                                     # default model's 428 passes in a GRPO run, one had a failed

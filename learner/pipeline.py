@@ -63,11 +63,15 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     from agent_runtime.agent import AgentConfig
     from agent_runtime.policies.batching import BatchingPolicy
     from learner.rollout import run_episodes
-    from learner.tasks.oracle import OracleStart, start_turns
+    from learner.tasks.oracle import OracleStart, slip_start, start_turns
     if config.concurrency > 1 and batches(policy):
         policy = BatchingPolicy(policy, max_batch=config.concurrency)
     start = start_turns(task, config.oracle_start, _STARTS)
-    eps = run_episodes((lambda t: OracleStart(t, policy, start)) if start else (lambda _t: policy),
+    plan = None                                   # a slip start's turns (`slip_start`)
+    if not start:
+        plan, start = slip_start(task, config.slip_start, _STARTS)
+    eps = run_episodes((lambda t: OracleStart(t, policy, start, plan)) if start
+                       else (lambda _t: policy),
                        [task] * config.group_size, store,
                        concurrency=config.concurrency,
                        agent_config=AgentConfig(max_steps=config.max_steps,
@@ -77,9 +81,9 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     group = Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
                                     bool(e.passed)) for e in eps],
                   [store.samples(e.session_id) for e in eps], start)
-    if (config.guide > 0 and not start and not any(e.passed for e in eps)   # a guide is
-            and not should_stop() and _STARTS.random() < config.guide):    # a whole episode
-        guided = guide_episode(policy, task, store, should_stop)
+    if (config.guide > 0 and (not start or plan) and not any(e.passed for e in eps)
+            and not should_stop() and _STARTS.random() < config.guide):  # a whole episode
+        guided = guide_episode(policy, task, store, should_stop, plan, start if plan else 0)
         if guided is not None:
             group.episodes.append(guided)
             group.samples.append(store.samples(guided.session_id))
@@ -87,14 +91,16 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
 
 
 def guide_episode(policy: Any, task: Any, store: Any,
-                  should_stop: Callable[[], bool] = lambda: False) -> Episode | None:
-    """The oracle's episode of `task` as `policy` would have written it (`GuidePolicy`),
-    recorded and graded like any rollout, as a guide member of a group; None when the oracle
-    did not pass (a broken instance: a guide must be a pass)."""
+                  should_stop: Callable[[], bool] = lambda: False,
+                  plan: list[str] | None = None, played: int = 0) -> Episode | None:
+    """The oracle's episode of `task` as `policy` would have written it (`GuidePolicy`; with
+    `plan`, a slip start's turns, the first `played` of them not trained), recorded and graded
+    like any rollout, as a guide member of a group; None when the oracle did not pass (a
+    broken instance: a guide must be a pass)."""
     from learner.rollout import run_episode
     from learner.tasks.oracle import GuidePolicy
     try:
-        e = run_episode(GuidePolicy(task, policy), task, store, max_steps=30,
+        e = run_episode(GuidePolicy(task, policy, plan, played), task, store, max_steps=30,
                         should_stop=should_stop)
     except Exception:                              # a task the oracle cannot play
         log.warning("guide episode of %s failed:\n%s", task.id, traceback.format_exc())

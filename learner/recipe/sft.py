@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,7 @@ from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
 from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
 from learner.recipe.lm import LMConfig, train_lm
-from learner.tasks.oracle import OraclePolicy
+from learner.tasks.oracle import OraclePolicy, _garble, with_slip
 
 
 CODE_FAMILIES = ("fix_bug", "implement_function", "add_feature")     # the families that write code
@@ -170,97 +169,6 @@ def summarize(messages: list[dict], plan: list[str]) -> str:
             + "\n## Key facts (exact file paths, names, commands, error messages and test results)\n"
             + ("\n".join(facts) or "- none beyond the above")
             + f"\n## Next steps\n{step or 'Continue with the task.'}")
-
-
-RECOVER_SAY = {
-    "edit_file": ["That text was not exact; copying `old` from the file this time.",
-                  "The edit did not match. Copying the exact lines the error shows.",
-                  "`old` must match the file exactly; trying again with the right text."],
-    "read_file": ["Wrong path. Reading the right file.",
-                  "That file does not exist; the path is a different one.",
-                  "I mistyped the path; reading it again."],
-}
-
-
-def _garble(text: str, rng: random.Random) -> str:
-    """`text` with one letter dropped or doubled (a copying mistake), or "" when it has none."""
-    spots = [i for i, ch in enumerate(text) if ch.isalpha()]
-    if not spots:
-        return ""
-    i = rng.choice(spots)
-    return text[:i] + text[i + 1:] if rng.random() < 0.5 else text[:i] + text[i] + text[i:]
-
-
-def with_slip(turns: list[str], rng: random.Random, files: dict | None = None,
-              task_text: str = "") -> tuple[list[str], set[str]]:
-    """The oracle's turns with one slip inserted: before a turn that edits or reads a file, a
-    turn making only that call with its `old` text or path garbled (the tool then answers with
-    an error: `old` not found and the closest text, or no such file), and the turn itself
-    opening with a sentence that recovers. Teaches reading the error and copying again; the
-    slip turn is returned in the set so the data does not train on it. Unchanged turns and an
-    empty set when no turn qualifies.
-
-    Given the task's starting `files` (and its text), a `grep` can slip too: it searches for a
-    name the task gives that nothing in the code has yet (a rename's new name), else for the
-    pattern with a letter dropped or doubled, gets "[no matches ...]", and the recovery says so
-    and searches for the plan's pattern: a search that finds nothing is a reason to search
-    for the other name, not to guess (r13 searched for the new name on a held-out rename
-    wording and then edited test files until its steps ran out)."""
-    from agent_runtime.toolcalls import parse_tool_calls
-    from learner.tasks.oracle import render_turn
-    fields = {"edit_file": "old", "read_file": "path"}
-    if files is not None:
-        fields["grep"] = "pattern"
-    spots = []
-    for i, text in enumerate(turns):
-        for call in parse_tool_calls(text).calls:
-            field = fields.get(call.name)
-            if field and len(str((call.arguments or {}).get(field, ""))) >= 6:
-                spots.append((i, call, field))
-    if not spots:
-        return turns, set()
-    i, call, field = rng.choice(spots)
-    args = dict(call.arguments)
-    if field == "pattern":
-        wrong, recover = _grep_slip(str(args[field]), files, task_text, rng)
-        if not wrong:
-            return turns, set()
-        args[field] = wrong
-    else:
-        head, _, base = args[field].rpartition("/") if field == "path" else ("", "", args[field])
-        garbled = _garble(base, rng)
-        if not garbled:
-            return turns, set()
-        args[field] = f"{head}/{garbled}" if head else garbled
-        recover = rng.choice(RECOVER_SAY[call.name])
-    say = turns[i].split("<tool_call>", 1)[0].strip()
-    slip = render_turn(say, [{"name": call.name, "arguments": args}])
-    fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
-    return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
-
-
-GREP_RECOVER_SAY = {
-    "absent": ["No matches: nothing is called `{wrong}` yet. Searching for `{right}`.",
-               "`{wrong}` is not in the code yet; the name to search for is `{right}`.",
-               "Nothing uses `{wrong}` so far. Looking for `{right}` instead."],
-    "typo": ["No matches: I mistyped the name. Searching for `{right}`.",
-             "That pattern has a typo; searching for `{right}` again.",
-             "Nothing matched my misspelt pattern. Searching for `{right}`."],
-}
-
-
-def _grep_slip(right: str, files: dict, task_text: str, rng: random.Random
-               ) -> tuple[str, str]:
-    """`with_slip` on a `grep` for `right`: the pattern that finds nothing in `files` and the
-    sentence that recovers, or ("", "") when the drawn pattern would find something."""
-    texts = [t for t in files.values() if isinstance(t, str)]
-    absent = [n for n in dict.fromkeys(re.findall(r"`([A-Za-z_]\w{2,})`", task_text))
-              if n != right and not any(n in t for t in texts)]
-    kind = "absent" if absent and rng.random() < 0.7 else "typo"
-    wrong = rng.choice(absent) if kind == "absent" else _garble(right, rng)
-    if not wrong or any(wrong in t for t in texts):
-        return "", ""
-    return wrong, rng.choice(GREP_RECOVER_SAY[kind]).format(wrong=wrong, right=right)
 
 
 MISFIX_SAY = ["That did not fix it: my edit has a typo. Correcting it.",

@@ -70,6 +70,8 @@ class GRPOStageConfig:
                                     # tests passing (`RolloutConfig.partial_credit`; 0: off)
     oracle_start: float = 0.0       # share of groups started after some of the oracle's turns
                                     # (`RolloutConfig.oracle_start`; 0: off)
+    slip_start: float = 0.0         # share of groups started after one of the oracle's calls
+                                    # played with a slip (`RolloutConfig.slip_start`; 0: off)
     guide: float = 0.0              # share of the groups with no pass given the oracle's
                                     # episode as one more member (`RolloutConfig.guide`; 0: off)
     guided_failures: bool = True    # a guided group's failures train too
@@ -334,7 +336,8 @@ def grpo_run_config(g: GRPOStageConfig, start: Path, device: str):
         rollout=lc.RolloutConfig(group_size=g.group_size, concurrency=g.group_size,
                                  max_new_tokens=g.max_new_tokens, max_steps=g.max_steps,
                                  workers=g.workers, partial_credit=g.partial_credit,
-                                 oracle_start=g.oracle_start, guide=g.guide,
+                                 oracle_start=g.oracle_start, slip_start=g.slip_start,
+                                 guide=g.guide,
                                  stop_after_failed_checks=g.stop_after_failed_checks,
                                  check_references=g.check_references),
         pipeline=lc.PipelineConfig(mode="async", steps=g.steps, groups_per_step=g.groups_per_step,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 from agent_runtime import names
 from agent_runtime.policies.base import Completion, remembers
@@ -45,6 +46,98 @@ def script(task) -> list[str]:
     return turns
 
 
+# -- slips: one call of the plan played with a mistake, then the turn that recovers --------
+
+RECOVER_SAY = {
+    "edit_file": ["That text was not exact; copying `old` from the file this time.",
+                  "The edit did not match. Copying the exact lines the error shows.",
+                  "`old` must match the file exactly; trying again with the right text."],
+    "read_file": ["Wrong path. Reading the right file.",
+                  "That file does not exist; the path is a different one.",
+                  "I mistyped the path; reading it again."],
+}
+
+
+def _garble(text: str, rng: random.Random) -> str:
+    """`text` with one letter dropped or doubled (a copying mistake), or "" when it has none."""
+    spots = [i for i, ch in enumerate(text) if ch.isalpha()]
+    if not spots:
+        return ""
+    i = rng.choice(spots)
+    return text[:i] + text[i + 1:] if rng.random() < 0.5 else text[:i] + text[i] + text[i:]
+
+
+def with_slip(turns: list[str], rng: random.Random, files: dict | None = None,
+              task_text: str = "") -> tuple[list[str], set[str]]:
+    """The oracle's turns with one slip inserted: before a turn that edits or reads a file, a
+    turn making only that call with its `old` text or path garbled (the tool then answers with
+    an error: `old` not found and the closest text, or no such file), and the turn itself
+    opening with a sentence that recovers. Teaches reading the error and copying again; the
+    slip turn is returned in the set so the data does not train on it. Unchanged turns and an
+    empty set when no turn qualifies.
+
+    Given the task's starting `files` (and its text), a `grep` can slip too: it searches for a
+    name the task gives that nothing in the code has yet (a rename's new name), else for the
+    pattern with a letter dropped or doubled, gets "[no matches ...]", and the recovery says so
+    and searches for the plan's pattern: a search that finds nothing is a reason to search
+    for the other name, not to guess (r13 searched for the new name on a held-out rename
+    wording and then edited test files until its steps ran out)."""
+    from agent_runtime.toolcalls import parse_tool_calls
+    fields = {"edit_file": "old", "read_file": "path"}
+    if files is not None:
+        fields["grep"] = "pattern"
+    spots = []
+    for i, text in enumerate(turns):
+        for call in parse_tool_calls(text).calls:
+            field = fields.get(call.name)
+            if field and len(str((call.arguments or {}).get(field, ""))) >= 6:
+                spots.append((i, call, field))
+    if not spots:
+        return turns, set()
+    i, call, field = rng.choice(spots)
+    args = dict(call.arguments)
+    if field == "pattern":
+        wrong, recover = _grep_slip(str(args[field]), files, task_text, rng)
+        if not wrong:
+            return turns, set()
+        args[field] = wrong
+    else:
+        head, _, base = args[field].rpartition("/") if field == "path" else ("", "", args[field])
+        garbled = _garble(base, rng)
+        if not garbled:
+            return turns, set()
+        args[field] = f"{head}/{garbled}" if head else garbled
+        recover = rng.choice(RECOVER_SAY[call.name])
+    say = turns[i].split("<tool_call>", 1)[0].strip()
+    slip = render_turn(say, [{"name": call.name, "arguments": args}])
+    fixed = recover + "\n" + turns[i][len(say):].lstrip("\n")
+    return turns[:i] + [slip, fixed] + turns[i + 1:], {slip}
+
+
+GREP_RECOVER_SAY = {
+    "absent": ["No matches: nothing is called `{wrong}` yet. Searching for `{right}`.",
+               "`{wrong}` is not in the code yet; the name to search for is `{right}`.",
+               "Nothing uses `{wrong}` so far. Looking for `{right}` instead."],
+    "typo": ["No matches: I mistyped the name. Searching for `{right}`.",
+             "That pattern has a typo; searching for `{right}` again.",
+             "Nothing matched my misspelt pattern. Searching for `{right}`."],
+}
+
+
+def _grep_slip(right: str, files: dict, task_text: str, rng: random.Random
+               ) -> tuple[str, str]:
+    """`with_slip` on a `grep` for `right`: the pattern that finds nothing in `files` and the
+    sentence that recovers, or ("", "") when the drawn pattern would find something."""
+    texts = [t for t in files.values() if isinstance(t, str)]
+    absent = [n for n in dict.fromkeys(re.findall(r"`([A-Za-z_]\w{2,})`", task_text))
+              if n != right and not any(n in t for t in texts)]
+    kind = "absent" if absent and rng.random() < 0.7 else "typo"
+    wrong = rng.choice(absent) if kind == "absent" else _garble(right, rng)
+    if not wrong or any(wrong in t for t in texts):
+        return "", ""
+    return wrong, rng.choice(GREP_RECOVER_SAY[kind]).format(wrong=wrong, right=right)
+
+
 class OraclePolicy(ReplayPolicy):
     """A `Policy` that solves one generated task; build one per task: `OraclePolicy(task)`.
     With `mentions`, it is a policy trained with the task's names looked up: the agent loop
@@ -74,6 +167,26 @@ def start_turns(task, share: float, rng: random.Random) -> int:
     return rng.randint(1, n - 3) if n >= 4 else 0
 
 
+def slip_start(task, share: float, rng: random.Random) -> tuple[list[str] | None, int]:
+    """Where a group of `task` starts after a slip: with probability `share`, the oracle's
+    turns with one slip (`with_slip`, searches included: a rename's search for its new name,
+    which nothing in the code has yet, gets "[no matches ...]") and the number of them played
+    before the policy's turn, the slip last; else (None, 0), as for a task without a plan or
+    a slip. The policy then plays the recovery: what a held-out wording leaves a small model
+    to do after its first call copied the wrong name (it searched for the new name, found
+    nothing and finished: RUNS.md, "Runs after `r13`"), which no oracle episode shows."""
+    if share <= 0 or rng.random() >= share:
+        return None, 0
+    try:
+        turns = script(task)
+    except ValueError:
+        return None, 0
+    slipped, slips = with_slip(turns, rng, task.files, task.instruction)
+    if not slips:
+        return None, 0
+    return slipped, slipped.index(next(iter(slips))) + 1
+
+
 class OracleStart:
     """A `Policy` whose first `turns` calls are the oracle's, and the rest `policy`'s: an
     episode that starts from a state on the way to the solution (a reverse curriculum:
@@ -87,11 +200,14 @@ class OracleStart:
     so the store records them as samples with an empty completion, which training skips:
     only the policy's own calls train, each with the oracle's turns before it as context.
     Everything else (window, token counts, the call grammar, `remember` for the policy's own
-    calls) is the policy's."""
+    calls) is the policy's. `plan` (default: the oracle's script) is the turns to play from,
+    e.g. `slip_start`'s, whose last played turn is a slip."""
 
-    def __init__(self, task, policy, turns: int):
+    def __init__(self, task, policy, turns: int, plan: list[str] | None = None):
         self.policy, self.turns = policy, turns
         self.oracle = OraclePolicy(task)
+        if plan is not None:
+            self.oracle.turns = list(plan)
         self.calls = 0
 
     def __getattr__(self, name: str):            # name, version, context_window, mentions ...
@@ -126,11 +242,16 @@ class GuidePolicy(OraclePolicy):
     (`RolloutConfig.guide`; LUFFY, Yan et al. 2025: off-policy guidance inside the group), so
     the group has a pass to rank its failures against. Its logprobs are zeros: no policy
     sampled these tokens, and training takes the trainer's own instead (`TrainSample.
-    off_policy`)."""
+    off_policy`). With `plan` (`slip_start`'s turns) it plays those, and its first `played`
+    turns come back with no token ids, as `OracleStart`'s do: the group's members started
+    after them, so the guide trains on what they had to write (the recovery), not the slip."""
 
-    def __init__(self, task, policy):
+    def __init__(self, task, policy, plan: list[str] | None = None, played: int = 0):
         super().__init__(task, context_window=policy.context_window, version=policy.version,
                          mentions=bool(getattr(policy, "mentions", False)))
+        if plan is not None:
+            self.turns = list(plan)
+        self.played = played
         self.policy = policy
         self.tokenizer = policy.tokenizer
         end = policy.end_of_turn_id         # as `render` and `tokenizer`: the policy's own
@@ -143,6 +264,11 @@ class GuidePolicy(OraclePolicy):
         c = super().complete(messages, tools, **kwargs)
         if c.finish_reason != names.FINISH_STOP:
             return c
+        if self.played > 0:
+            self.played -= 1
+            return Completion(text=c.text, prompt_ids=[], completion_ids=[], logprobs=[],
+                              finish_reason=c.finish_reason, version=self.policy.version,
+                              meta={"oracle": True})
         ids = list(c.completion_ids) + self.end
         return Completion(text=c.text, prompt_ids=c.prompt_ids, completion_ids=ids,
                           logprobs=[0.0] * len(ids), finish_reason=c.finish_reason,

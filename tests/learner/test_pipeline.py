@@ -360,3 +360,40 @@ def test_a_group_with_no_pass_gets_the_oracles_episode_as_its_guide(ckpt, tmp_pa
     alone = group_samples(group, LossConfig(guided_failures=False))
     assert [s.session_id for s in alone] == [s.session_id for s in off]
     assert all(s.off_policy for s in alone)
+
+
+def test_a_slip_started_group_with_no_pass_gets_the_oracles_recovery_as_its_guide(
+        ckpt, tmp_path, monkeypatch):
+    """`RolloutConfig.slip_start` 1 with `guide` 1: the group starts after the plan's slip
+    (`slip_start`), the tiny model fails both episodes from there, and the guide plays the
+    same slipped plan, its first `group.start` turns (the slip among them) with no token ids,
+    the recovery and the rest in the policy's tokens: only what the members had to write
+    trains, off-policy, above their failures."""
+    from agent_runtime.policies.engine import EnginePolicy
+    from learner import tasks
+    from learner.config import LossConfig
+    from learner.grpo import group_samples
+    import random
+    monkeypatch.setattr(pipeline, "_STARTS", random.Random(0))   # a draw that slips (a few
+    policy = EnginePolicy.load(str(ckpt))                         # typos exist in the code)
+    task = tasks.generate("train", 1, seed=31, families=["rename_symbol"])[0]
+    with SessionStore(tmp_path / "home") as store:
+        group = pipeline.run_sim_group(policy, task, store,
+                                       RolloutConfig(group_size=2, concurrency=1, max_steps=2,
+                                                     max_new_tokens=8, slip_start=1.0,
+                                                     guide=1.0))
+        k = group.start
+        assert k >= 1
+        assert [e.guide for e in group.episodes] == [False, False, True]
+        assert [e.passed for e in group.episodes] == [False, False, True]
+        own = store.samples(group.episodes[0].session_id)
+        guide = group.samples[2]
+        recovery = store.messages(group.episodes[2].session_id)
+    assert [bool(s["completion_ids"]) for s in own][:k] == [False] * k
+    assert [bool(s["completion_ids"]) for s in guide] == [False] * k + [True] * (len(guide) - k)
+    assert any(m["role"] == "tool" and "no matches" in (m["content"] or "") for m in recovery)
+    first = policy.tokenizer.decode(guide[k]["completion_ids"][:-1])
+    assert "Search" in first or "search" in first or "Looking for" in first
+    trained = group_samples(group, LossConfig())
+    off = [s for s in trained if s.off_policy]
+    assert len(off) == len(guide) - k and all(s.advantage > 0 for s in off)

@@ -203,6 +203,32 @@ def test_an_oracle_start_plays_the_plans_first_turns_and_trains_only_the_policys
     assert quit_early.steps == k + 1 and not quit_early.passed
 
 
+def test_a_slip_start_ends_on_a_search_that_finds_nothing_and_the_policy_plays_the_recovery(
+        store):
+    """`slip_start` on a rename: the oracle's turns up to its first search played for a name
+    the code does not have (the rename's new name, or a typo of the old one), so the tool
+    answers "no matches"; the policy plays from there. The plan's own recovery passes, a bare
+    `finish` fails, and only the policy's calls carry token ids. Share 0 draws no start."""
+    import random
+    from agent_runtime.toolcalls import parse_tool_calls
+    from learner.tasks.oracle import OracleStart, slip_start
+    task = generate("train", 1, seed=31, families=["rename_symbol"])[0]
+    assert slip_start(task, 0.0, random.Random(0)) == (None, 0)
+    plan, k = slip_start(task, 1.0, random.Random(0))
+    (slip,) = parse_tool_calls(plan[k - 1]).calls
+    assert slip.name == "grep"
+    assert not any(slip.arguments["pattern"] in text for text in task.files.values())
+    recovered = run_episode(OracleStart(task, ReplayPolicy(plan[k:]), k, plan), task, store)
+    assert recovered.passed and recovered.steps == len(plan)
+    messages = store.messages(recovered.session_id)
+    assert any(m["role"] == "tool" and "no matches" in (m["content"] or "") for m in messages)
+    samples = store.samples(recovered.session_id)
+    assert [bool(s["completion_ids"]) for s in samples] == [False] * k + [True] * (len(plan) - k)
+    gave_up = run_episode(OracleStart(task, ReplayPolicy([call("finish", summary="done")]), k,
+                                      plan), task, store)
+    assert gave_up.steps == k + 1 and not gave_up.passed
+
+
 def test_where_groups_start_is_drawn_inside_the_plan():
     """`start_turns`: 0 with share 0; with share 1 every draw in 1 .. n - 3 (the policy keeps
     the plan's change, its check and finish) and each of them drawn."""
