@@ -34,7 +34,7 @@ from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
 from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
 from learner.recipe.lm import LMConfig, train_lm
-from learner.tasks.oracle import OraclePolicy, _garble, with_slip
+from learner.tasks.oracle import OraclePolicy, garble, with_slip
 
 
 CODE_FAMILIES = ("fix_bug", "implement_function", "add_feature")     # the families that write code
@@ -200,9 +200,9 @@ def with_misfix(turns: list[str], rng: random.Random) -> tuple[list[str], set[st
     before, after_text = str(args.get("old", "")), str(args.get("new", ""))
     a = len(os.path.commonprefix([before, after_text]))         # the typo goes in what the
     b = len(os.path.commonprefix([before[a:][::-1], after_text[a:][::-1]]))  # edit changes
-    changed = _garble(after_text[a:len(after_text) - b], rng)
+    changed = garble(after_text[a:len(after_text) - b], rng)
     typo = (after_text[:a] + changed + after_text[len(after_text) - b:] if changed
-            else _garble(after_text, rng))
+            else garble(after_text, rng))
     if not typo or not args.get("path"):
         return turns, set(), None
     say = turns[i].split("<tool_call>", 1)[0].strip()

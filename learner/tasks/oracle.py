@@ -58,7 +58,7 @@ RECOVER_SAY = {
 }
 
 
-def _garble(text: str, rng: random.Random) -> str:
+def garble(text: str, rng: random.Random) -> str:
     """`text` with one letter dropped or doubled (a copying mistake), or "" when it has none."""
     spots = [i for i, ch in enumerate(text) if ch.isalpha()]
     if not spots:
@@ -103,7 +103,7 @@ def with_slip(turns: list[str], rng: random.Random, files: dict | None = None,
         args[field] = wrong
     else:
         head, _, base = args[field].rpartition("/") if field == "path" else ("", "", args[field])
-        garbled = _garble(base, rng)
+        garbled = garble(base, rng)
         if not garbled:
             return turns, set()
         args[field] = f"{head}/{garbled}" if head else garbled
@@ -132,7 +132,7 @@ def _grep_slip(right: str, files: dict, task_text: str, rng: random.Random
     absent = [n for n in dict.fromkeys(re.findall(r"`([A-Za-z_]\w{2,})`", task_text))
               if n != right and not any(n in t for t in texts)]
     kind = "absent" if absent and rng.random() < 0.7 else "typo"
-    wrong = rng.choice(absent) if kind == "absent" else _garble(right, rng)
+    wrong = rng.choice(absent) if kind == "absent" else garble(right, rng)
     if not wrong or any(wrong in t for t in texts):
         return "", ""
     return wrong, rng.choice(GREP_RECOVER_SAY[kind]).format(wrong=wrong, right=right)
