@@ -81,8 +81,10 @@ def run_sim_group(policy: Any, task: Any, store: Any, config: RolloutConfig,
     group = Group(task.id, [Episode(e.session_id, shaped_reward(e, config.partial_credit),
                                     bool(e.passed)) for e in eps],
                   [store.samples(e.session_id) for e in eps], start)
+    # a guide: the oracle's whole episode (after a slip start, its plan, trained from the
+    # recovery on); not after an oracle start, whose members play only the plan's end
     if (config.guide > 0 and (not start or plan) and not any(e.passed for e in eps)
-            and not should_stop() and _STARTS.random() < config.guide):  # a whole episode
+            and not should_stop() and _STARTS.random() < config.guide):
         guided = guide_episode(policy, task, store, should_stop, plan, start if plan else 0)
         if guided is not None:
             group.episodes.append(guided)
