@@ -187,6 +187,13 @@ def slip_start(task, share: float, rng: random.Random) -> tuple[list[str] | None
     return slipped, slipped.index(next(iter(slips))) + 1
 
 
+def untrained(c: Completion, version: int) -> Completion:
+    """The oracle's turn `c` with no token ids: the store records it as a sample with an empty
+    completion, which training skips (`OracleStart`'s turns, a slip-started guide's first)."""
+    return Completion(text=c.text, prompt_ids=[], completion_ids=[], logprobs=[],
+                      finish_reason=c.finish_reason, version=version, meta={"oracle": True})
+
+
 class OracleStart:
     """A `Policy` whose first `turns` calls are the oracle's, and the rest `policy`'s: an
     episode that starts from a state on the way to the solution (a reverse curriculum:
@@ -225,9 +232,7 @@ class OracleStart:
         c = self.oracle.complete(messages, tools, max_new_tokens=kwargs.get("max_new_tokens"),
                                  on_text=kwargs.get("on_text"),
                                  should_stop=kwargs.get("should_stop"))
-        return Completion(text=c.text, prompt_ids=[], completion_ids=[], logprobs=[],
-                          finish_reason=c.finish_reason, version=self.policy.version,
-                          meta={"oracle": True})
+        return untrained(c, self.policy.version)
 
     def remember(self, message: dict, completion) -> None:
         if not completion.meta.get("oracle") and remembers(self.policy):
@@ -266,9 +271,7 @@ class GuidePolicy(OraclePolicy):
             return c
         if self.played > 0:
             self.played -= 1
-            return Completion(text=c.text, prompt_ids=[], completion_ids=[], logprobs=[],
-                              finish_reason=c.finish_reason, version=self.policy.version,
-                              meta={"oracle": True})
+            return untrained(c, self.policy.version)
         ids = list(c.completion_ids) + self.end
         return Completion(text=c.text, prompt_ids=c.prompt_ids, completion_ids=ids,
                           logprobs=[0.0] * len(ids), finish_reason=c.finish_reason,
