@@ -54,6 +54,9 @@ class CodeConfig:
     train: LMConfig = field(default_factory=lambda: LMConfig(
         steps=1500, lr=3e-4, warmup=20, weight_decay=0.0, max_seconds=0, fit_to_time=False,
         checkpoint_every=100, log_every=50))
+    base_share: float = 0.0         # the first phase's weight in the SFT model: the mean of
+                                    # the two phases' weights (`learner.merge`), the second
+                                    # phase's own model kept in sft/code (0: the second phase's)
 
 
 @dataclass

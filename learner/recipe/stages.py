@@ -270,6 +270,8 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
                 f"{episodes} is missing: sft.code.tasks is {code.tasks} but the sft_data stage "
                 f"collected no code episodes; delete {out / 'sft_data' / 'metrics.json'} and "
                 f"run the sft_data stage again")
+        if not 0 <= code.base_share < 1:
+            raise ValueError(f"sft.code.base_share is a share in [0, 1), not {code.base_share}")
         base = out / "sft" / "base"
         done = base / "metrics.json"
         if done.exists():
@@ -277,8 +279,14 @@ def _sft(out: Path, config: RecipeConfig, log) -> dict:
         else:
             metrics = sft.run(out / "pretrain" / "model", data, base, config.sft, log)
             write_json(done, metrics)
+        second = out / "sft" / "code" if code.base_share else out / "sft"
         metrics["code"] = sft.run(base / "model", [data, episodes],
-                                  out / "sft", replace(config.sft, train=code.train), log)
+                                  second, replace(config.sft, train=code.train), log)
+        if code.base_share:
+            from learner.merge import average_checkpoints
+            average_checkpoints([second / "model", base / "model"], out / "sft" / "model",
+                                [1 - code.base_share, code.base_share])
+            metrics["code"]["base_share"] = code.base_share
     heldout = np.load(out / "corpus" / "corpus.npz")["heldout"]
     model = load_model(out / "sft" / "model", dtype="float32")
     metrics["copy_probe"] = copy_probe(model, heldout)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+
+import pytest
+import torch
 
 from agent_runtime.model import load_model
 from agent_runtime.model.chat_template import COMPACT_CHAT_TEMPLATE, ChatTemplate
@@ -29,3 +33,20 @@ def test_toy_recipe_runs_every_stage_and_ships_a_compact_harness_checkpoint(tmp_
     assert config["apprentice_harness"] == "compact"
     assert ChatTemplate.from_pretrained(model).source() == COMPACT_CHAT_TEMPLATE
     assert load_model(model).args.num_experts == 8
+
+    # the SFT model as the mean of the two phases (`CodeConfig.base_share`): the second phase
+    # is kept in sft/code, the first as it was, and sft/model weighs them 3 to 1
+    (out / "sft" / "metrics.json").unlink()
+    config = toy_recipe()
+    config.sft = replace(config.sft, code=replace(config.sft.code, base_share=0.25))
+    again = run_recipe(out, config, ("sft",), log=lambda line: None)["sft"]
+    assert again["code"]["base_share"] == 0.25 and again["code"]["steps"] == 2
+    base = load_model(out / "sft" / "base" / "model").state_dict()
+    second = load_model(out / "sft" / "code" / "model").state_dict()
+    assert any(not torch.equal(base[k], second[k]) for k in base)
+    for k, v in load_model(out / "sft" / "model").state_dict().items():
+        assert torch.equal(v, (0.75 * second[k].float() + 0.25 * base[k].float()).to(v.dtype)), k
+    (out / "sft" / "metrics.json").unlink()
+    config.sft = replace(config.sft, code=replace(config.sft.code, base_share=1.0))
+    with pytest.raises(ValueError, match=r"sft.code.base_share is a share in \[0, 1\)"):
+        run_recipe(out, config, ("sft",), log=lambda line: None)
