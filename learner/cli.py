@@ -455,7 +455,8 @@ def average(out: Path, models: tuple[str, ...], weights: str | None) -> None:
 @click.option("-p", "--processes", type=click.IntRange(1), default=None,
               help="Processes collecting oracle episodes and running evaluation episodes.")
 @click.option("--max-minutes", type=click.FloatRange(0), default=None,
-              help="Wall-time cap of each training stage (pretrain, sft, grpo); 0 = none.")
+              help="Wall-time cap of each training stage (pretrain, each SFT phase, grpo); "
+                   "0 = none.")
 @click.option("--ship", is_flag=True,
               help="Then make the newest model the package's default model "
                    "(agent_runtime/assets/default, with recipe.json: what made it).")
@@ -483,7 +484,7 @@ def recipe(name: str, out_dir: Path | None, stages: str | None, device: str,
         config.sft.workers = config.eval.processes = processes
     if max_minutes is not None:
         config.pretrain.train.max_seconds = config.sft.train.max_seconds = 60 * max_minutes
-        config.grpo.max_seconds = 60 * max_minutes
+        config.sft.code.train.max_seconds = config.grpo.max_seconds = 60 * max_minutes
     for setting in settings:
         try:
             override(config, setting)

@@ -114,7 +114,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
     state_dir.mkdir(parents=True, exist_ok=True)
     model.to(device=device, dtype=torch.float32).train()
     opt = make_optimizer(model, c)
-    start, history, total = 0, [], c.steps
+    start, history, total, spent = 0, [], c.steps, 0.0
     state_path = state_dir / "state.pt"
     if state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
@@ -122,7 +122,8 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
         opt.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
         total = state.get("total", c.steps) if c.fit_to_time else c.steps
-        log({"resumed_at": start})
+        spent = state.get("seconds", 0.0)   # the budget is the run's, not each process's
+        log({"resumed_at": start, "seconds_spent": round(spent, 1)})
     torch.manual_seed(c.seed + start)
     bf16 = bf16_compute(c.precision, device)
     shadow = Bf16Copy(model) if bf16 and not device.startswith("cuda") else None
@@ -131,6 +132,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16) \
         if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
     t0, tokens, seen, step = time.time(), 0, 0, start
+    begun = t0 - spent                     # when the run would have started, uninterrupted
     marks = [(start, t0)]                  # (step, time) where the plan was last fitted
     window: list[float] = []
     try:
@@ -166,7 +168,7 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
                 marks.append((done, now))
                 (s0, m0), (s1, m1) = marks[-2], marks[-1]
                 per_step = (m1 - m0) / (s1 - s0)        # the last stretch: today's speed
-                total = min(c.steps, done + int((c.max_seconds - (now - t0)) / per_step))
+                total = min(c.steps, done + int((c.max_seconds - (now - begun)) / per_step))
                 log({"planned_steps": total, "seconds_per_step": per_step})
             if done % c.log_every == 0 or done == total:
                 row = {"step": done, "loss": sum(window) / len(window), "aux": aux.item(),
@@ -180,23 +182,25 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
                 log(row)
                 window = []
             if done % c.checkpoint_every == 0 or done == total:
-                _save_state(state_path, model, opt, done, history, total)
-            if c.max_seconds and time.time() - t0 > c.max_seconds:
-                log({"stopped_early_at": done, "seconds": time.time() - t0})
-                _save_state(state_path, model, opt, done, history, total)
+                _save_state(state_path, model, opt, done, history, total, time.time() - begun)
+            if c.max_seconds and time.time() - begun > c.max_seconds:
+                log({"stopped_early_at": done, "seconds": time.time() - begun})
+                _save_state(state_path, model, opt, done, history, total, time.time() - begun)
                 break
     finally:
         stats.close()
     model.eval()
-    return {"steps": step, "planned_steps": total, "seconds": time.time() - t0,
+    return {"steps": step, "planned_steps": total, "seconds": time.time() - begun,
             "history": history, "config": asdict(c), "bf16": bf16}
 
 
 def _save_state(path: Path, model: MoEModel, opt: torch.optim.Optimizer, step: int,
-                history: list[dict], total: int) -> None:
+                history: list[dict], total: int, seconds: float) -> None:
+    """The run's state at `step`; `seconds` is its training time so far over every process
+    that ran it (a resumed run's budget continues from there)."""
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "history": history, "total": total}, tmp)
+                "history": history, "total": total, "seconds": seconds}, tmp)
     os.replace(tmp, path)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -177,6 +178,40 @@ def check_needs(out: Path, stage: str) -> None:
             f"whole recipe")
 
 
+class StageClock:
+    """A stage's wall time over every process that ran it: the seconds recorded in `path` by
+    the processes before this one, plus this one's, written back every `every` seconds. A
+    stage that is killed and run again (the recipe resumes) so reports the time it took in
+    all, less at most `every` seconds of the process that was killed."""
+
+    def __init__(self, path: Path, every: float = 10.0):
+        self.path = path
+        self.before = json.loads(path.read_text())["seconds"] if path.exists() else 0.0
+        self.t0 = time.time()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._tick, args=(every,), daemon=True)
+        self._thread.start()
+
+    def seconds(self) -> float:
+        return self.before + time.time() - self.t0
+
+    def _tick(self, every: float) -> None:
+        while not self._done.wait(every):
+            self._write()
+
+    def _write(self) -> float:
+        seconds, tmp = self.seconds(), self.path.with_suffix(".tmp")
+        write_json(tmp, {"seconds": seconds})
+        os.replace(tmp, self.path)
+        return seconds
+
+    def stop(self) -> float:
+        """Stop ticking, write the total and return it."""
+        self._done.set()
+        self._thread.join()
+        return self._write()
+
+
 def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES,
                log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run `stages` (in recipe order) into `out`, skipping finished ones; returns metrics."""
@@ -192,10 +227,15 @@ def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES
             results[stage] = done
             continue
         check_needs(out, stage)
-        log(f"[{stage}] running")
-        t0 = time.time()
-        metrics = RUNNERS[stage](out, config, lambda row, s=stage: log(f"[{s}] {_fmt(row)}"))
-        metrics["seconds"] = time.time() - t0
+        clock = StageClock(out / stage / "clock.json")
+        log(f"[{stage}] running" + (f" (resumed after {clock.before:.0f}s)" if clock.before else ""))
+        try:
+            metrics = RUNNERS[stage](out, config, lambda row, s=stage: log(f"[{s}] {_fmt(row)}"))
+        finally:
+            seconds = clock.stop()
+        metrics["seconds"] = seconds
+        if clock.before:
+            metrics["seconds_before_resume"] = clock.before
         metrics["config"] = _stage_config(config, stage)
         write_json(out / stage / "metrics.json", metrics)
         log(f"[{stage}] finished in {metrics['seconds']:.0f}s: {_fmt(_headline(metrics))}")
