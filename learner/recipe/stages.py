@@ -478,10 +478,15 @@ def _grpo_run(g: GRPOStageConfig, start: Path, folder: Path, device: str, log) -
 
     with SessionStore(folder / "home") as store:
         pipe = build(cfg, run_dir, store, VersionStore(folder / "versions"), factory)
-        stats = pipe.run(max_seconds=g.max_seconds or None,
-                         on_step=lambda row: log({k: row.get(k) for k in (
-                             "step", "version", "reward_mean", "pass_rate", "kl", "flip_rate")
-                             if row.get(k) is not None}))
+        clock = StageClock(run_dir / "clock.json")  # training's seconds over every process:
+        left = max(0.0, g.max_seconds - clock.before) if g.max_seconds else None  # the budget
+        try:
+            stats = pipe.run(max_seconds=left,
+                             on_step=lambda row: log({k: row.get(k) for k in (
+                                 "step", "version", "reward_mean", "pass_rate", "kl",
+                                 "flip_rate") if row.get(k) is not None}))
+        finally:
+            clock.stop()
         trainer = pipe.trainer
         trainer.save_checkpoint({"cursor": pipe.cursor})
         model = trainer.model.to("cpu")

@@ -34,6 +34,16 @@ def test_toy_recipe_runs_every_stage_and_ships_a_compact_harness_checkpoint(tmp_
     assert ChatTemplate.from_pretrained(model).source() == COMPACT_CHAT_TEMPLATE
     assert load_model(model).args.num_experts == 8
 
+    # GRPO's time budget is the run's: run again with more steps after its whole budget was
+    # spent (as the run's clock says), it resumes from its checkpoint and trains no further
+    steps = results["grpo"]["steps"]
+    assert json.loads((out / "grpo" / "run" / "clock.json").read_text())["seconds"] > 0
+    (out / "grpo" / "run" / "clock.json").write_text(json.dumps({"seconds": 300.0}))
+    (out / "grpo" / "metrics.json").unlink()
+    config = toy_recipe()
+    config.grpo = replace(config.grpo, steps=steps + 2, max_seconds=300.0)
+    assert run_recipe(out, config, ("grpo",), log=lambda line: None)["grpo"]["steps"] == steps
+
     # the SFT model as the mean of the two phases (`CodeConfig.base_share`): the second phase
     # is kept in sft/code, the first as it was, and sft/model weighs them 3 to 1
     (out / "sft" / "metrics.json").unlink()
