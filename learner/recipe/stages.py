@@ -111,6 +111,16 @@ class RecipeConfig:
     rft: RFTConfig = field(default_factory=RFTConfig)
     grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    total_minutes: float = 0.0      # the whole recipe's wall time (0: none): a training
+                                    # stage's budget shrinks to what is left of it after the
+                                    # stages before and the budgets after (`fit_budget`)
+    reserve_seconds: float = 600.0  # what that keeps for the work no budget holds after the
+                                    # stage (scoring, averaging, saving, the eval stage)
+
+
+# The training budgets `fit_budget` can shrink, as (stage, path of the field in the config)
+BUDGETS = (("pretrain", ("pretrain", "train")), ("sft", ("sft", "train")),
+           ("sft", ("sft", "code", "train")), ("grpo", ("grpo",)))
 
 
 def override(config: RecipeConfig, setting: str) -> None:
@@ -212,6 +222,45 @@ class StageClock:
         return self._write()
 
 
+def _budget(config, path: tuple[str, ...]):
+    target = config
+    for name in path:
+        target = getattr(target, name)
+    return target
+
+
+def fit_budget(config: RecipeConfig, out: Path, stage: str,
+               stages: tuple[str, ...]) -> tuple[RecipeConfig, float | None]:
+    """`config` with `stage`'s first training budget cut to what the whole recipe's
+    `total_minutes` leaves it: less the seconds of the stages done in `out`, the budgets of the
+    training after it (its own later phases, the later stages in `stages` not done yet) and
+    `reserve_seconds`; at least a minute. Returns the config (unchanged when the budget fits
+    or there is no whole-recipe budget) and the budget fitted (None when none was cut). A
+    machine slower than the one the budgets were set on so spends the stages' time where
+    the recipe is still running, and the recipe keeps its wall time; where every stage
+    keeps to its own budget, nothing changes."""
+    import copy
+    own = [path for s, path in BUDGETS if s == stage]
+    if not config.total_minutes or not own:
+        return config, None
+    spent = sum(stage_done(out, s)["seconds"] for s in STAGES
+                if s != stage and stage_done(out, s) is not None)
+    later = [path for s, path in BUDGETS if s != stage and s in stages
+             and STAGES.index(s) > STAGES.index(stage) and stage_done(out, s) is None]
+    later_seconds = sum(_budget(config, p).max_seconds * (config.grpo.runs if p == ("grpo",) else 1)
+                        for p in own[1:] + later)
+    left = 60 * config.total_minutes - spent - later_seconds - config.reserve_seconds
+    if own[0] == ("grpo",):
+        left /= config.grpo.runs                      # each run has the budget
+    first = _budget(config, own[0])
+    if first.max_seconds and first.max_seconds <= left:
+        return config, None
+    fitted = max(60.0, left)
+    config = copy.deepcopy(config)
+    _budget(config, own[0]).max_seconds = fitted
+    return config, fitted
+
+
 def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES,
                log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run `stages` (in recipe order) into `out`, skipping finished ones; returns metrics."""
@@ -229,14 +278,20 @@ def run_recipe(out: Path, config: RecipeConfig, stages: tuple[str, ...] = STAGES
         check_needs(out, stage)
         clock = StageClock(out / stage / "clock.json")
         log(f"[{stage}] running" + (f" (resumed after {clock.before:.0f}s)" if clock.before else ""))
+        fitted, budget = fit_budget(config, out, stage, stages)
+        if budget is not None:
+            log(f"[{stage}] budget cut to {budget:.0f}s: what the recipe's "
+                f"{config.total_minutes:g} minutes leave it")
         try:
-            metrics = RUNNERS[stage](out, config, lambda row, s=stage: log(f"[{s}] {_fmt(row)}"))
+            metrics = RUNNERS[stage](out, fitted, lambda row, s=stage: log(f"[{s}] {_fmt(row)}"))
         finally:
             seconds = clock.stop()
         metrics["seconds"] = seconds
         if clock.before:
             metrics["seconds_before_resume"] = clock.before
-        metrics["config"] = _stage_config(config, stage)
+        if budget is not None:
+            metrics["budget_fitted_s"] = budget
+        metrics["config"] = _stage_config(fitted, stage)
         write_json(out / stage / "metrics.json", metrics)
         log(f"[{stage}] finished in {metrics['seconds']:.0f}s: {_fmt(_headline(metrics))}")
         results[stage] = metrics

@@ -520,6 +520,34 @@ def test_a_stage_run_again_reports_its_time_over_both_runs(tmp_path, monkeypatch
     assert json.loads((tmp_path / "tokenizer" / "metrics.json").read_text())["seconds"] == 50.0
 
 
+def test_a_stage_gets_what_the_whole_recipe_budget_leaves_it(tmp_path):
+    """With `total_minutes`, the first training budget of a stage is cut to the whole budget
+    less the stages done, the later budgets and the reserve; within it, nothing changes."""
+    from learner.recipe import default_recipe
+    from learner.recipe.stages import STAGES, fit_budget
+    config = default_recipe()
+    assert config.total_minutes == 150
+    for stage, seconds in (("tokenizer", 94), ("corpus", 19), ("pretrain", 1816),
+                           ("sft_data", 2300)):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "metrics.json").write_text(json.dumps({"seconds": seconds}))
+    fitted, budget = fit_budget(config, tmp_path, "sft", STAGES)
+    # 9,000 s - 4,229 done - 1,500 (second phase) - 600 (GRPO) - 600 reserve
+    assert budget == 2071 and fitted.sft.train.max_seconds == 2071
+    assert fitted.sft.code.train.max_seconds == 1500 and config.sft.train.max_seconds == 3000
+    # without GRPO in the stages asked for, its budget is not kept back
+    assert fit_budget(config, tmp_path, "sft", ("sft",))[1] == 2671
+    # a fast machine: the stage keeps its own budget
+    (tmp_path / "sft_data" / "metrics.json").write_text(json.dumps({"seconds": 1200}))
+    assert fit_budget(config, tmp_path, "sft", STAGES) == (config, None)
+    # never below a minute; stages without a budget and recipes without a total untouched
+    (tmp_path / "sft_data" / "metrics.json").write_text(json.dumps({"seconds": 9000}))
+    assert fit_budget(config, tmp_path, "sft", STAGES)[1] == 60
+    assert fit_budget(config, tmp_path, "sft_data", STAGES) == (config, None)
+    config.total_minutes = 0
+    assert fit_budget(config, tmp_path, "sft", STAGES) == (config, None)
+
+
 def test_pretrain_stage_writes_a_loadable_checkpoint_and_skips_when_done(tok_dir, tmp_path):
     from learner.recipe import RecipeConfig, run_recipe
     out = tmp_path / "recipe"
