@@ -243,10 +243,10 @@ def fit_budget(config: RecipeConfig, out: Path, stage: str,
     own = [path for s, path in BUDGETS if s == stage]
     if not config.total_minutes or not own:
         return config, None
-    spent = sum(stage_done(out, s)["seconds"] for s in STAGES
-                if s != stage and stage_done(out, s) is not None)
+    done = {s: stage_done(out, s) for s in STAGES if s != stage}
+    spent = sum(m["seconds"] for m in done.values() if m is not None)
     later = [path for s, path in BUDGETS if s != stage and s in stages
-             and STAGES.index(s) > STAGES.index(stage) and stage_done(out, s) is None]
+             and STAGES.index(s) > STAGES.index(stage) and done[s] is None]
     later_seconds = sum(_budget(config, p).max_seconds * (config.grpo.runs if p == ("grpo",) else 1)
                         for p in own[1:] + later)
     left = 60 * config.total_minutes - spent - later_seconds - config.reserve_seconds
