@@ -26,11 +26,14 @@ TEST_COMMAND = "python -m pytest -q"
 # and nothing of a generated task is legitimately skipped, deselected or expected to fail
 TEST_EXPECT = r"(?m)^\d+ passed(, \d+ warnings?)? in [\d.]+s"
 # The tasks' environment (the agent's commands and grading): no third-party pytest plugins,
-# no caches written into the workspace, and pytest's unused built-in plugins off (faster).
+# no caches written into the workspace, and pytest's unused built-in plugins off (faster: the
+# unraisable- and thread-exception hooks' five garbage collections at exit were ~80 ms of a
+# ~450 ms run; 100 oracle episodes 59.6 -> 51.5 s).
 TEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1",
             "PYTEST_ADDOPTS": "-p no:cacheprovider -p no:doctest -p no:junitxml "
                               "-p no:pastebin -p no:legacypath -p no:debugging "
-                              "-p no:stepwise -p no:faulthandler"}
+                              "-p no:stepwise -p no:faulthandler "
+                              "-p no:unraisableexception -p no:threadexception"}
 
 
 # ---------------------------------------------------------------- phrasing
