@@ -187,25 +187,12 @@ class Trainer:
             keys = [np.concatenate([k, r.reshape(len(k), -1).cpu().numpy()], axis=1)
                     for k, r in zip(keys, row_routes)]
         nodes, N = _tree(keys, self.config.share_prefixes)
-        R, L = len(rows), max(len(f) for f in fed)
-        ids = torch.zeros(N, dtype=torch.long)
-        positions = torch.zeros(N, dtype=torch.long)
-        index = torch.zeros(R, L, dtype=torch.long)
-        take = torch.full((N,), -1, dtype=torch.long)
-        spans = torch.zeros(R, 2, dtype=torch.long)       # the places of each path take reads
+        ids, positions, (index, take, spans) = packed_tree(fed, nodes, N)
         routes = None
         if row_routes:
             routes = torch.zeros((N,) + recorded[0].shape[1:], dtype=torch.long, device=dev)
-        for b, (f, nd) in enumerate(zip(fed, nodes)):
-            at = torch.from_numpy(nd)
-            ids[at] = torch.from_numpy(f)
-            positions[at] = torch.arange(len(f))
-            index[b, :len(f)], index[b, len(f):] = at, at[-1]
-            new = take[at] < 0                            # a suffix: the rest is shared
-            take[at[new]] = b * L + torch.arange(len(f))[new]
-            spans[b] = torch.tensor([len(f) - int(new.sum()), len(f)])
-            if routes is not None:
-                routes[at.to(dev)] = row_routes[b]
+            for b, nd in enumerate(nodes):
+                routes[torch.from_numpy(nd).to(dev)] = row_routes[b]
         # each scored completion token: the packed position that predicts it
         order = [i for row in rows for i in row]
         where = {i: b for b, row in enumerate(rows) for i in row}
@@ -545,6 +532,27 @@ def _tree(keys: Sequence[np.ndarray], share: bool = True) -> tuple[list[np.ndarr
         n += len(key) - common
         nodes.append(at)
     return nodes, n
+
+
+def packed_tree(fed: Sequence[np.ndarray], nodes: Sequence[np.ndarray], n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Rows `fed` (token ids) packed at `nodes` (`_tree`: n packed positions): the packed ids
+    [n], each one's position in its rows [n], and `Paths`' index, take and spans (CPU)."""
+    R, L = len(fed), max(len(f) for f in fed)
+    ids = torch.zeros(n, dtype=torch.long)
+    positions = torch.zeros(n, dtype=torch.long)
+    index = torch.zeros(R, L, dtype=torch.long)
+    take = torch.full((n,), -1, dtype=torch.long)
+    spans = torch.zeros(R, 2, dtype=torch.long)           # the places of each path take reads
+    for b, (f, nd) in enumerate(zip(fed, nodes)):
+        at = torch.from_numpy(nd)
+        ids[at] = torch.from_numpy(np.asarray(f, dtype=np.int64))
+        positions[at] = torch.arange(len(f))
+        index[b, :len(f)], index[b, len(f):] = at, at[-1]
+        new = take[at] < 0                                # a suffix: the rest is shared
+        take[at[new]] = b * L + torch.arange(len(f))[new]
+        spans[b] = torch.tensor([len(f) - int(new.sum()), len(f)])
+    return ids, positions, (index, take, spans)
 
 
 def _common(a: Sequence, b: Sequence) -> int:

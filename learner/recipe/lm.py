@@ -1,7 +1,8 @@
 """The language-model training loop shared by pre-training and the supervised warm-up.
 
 `train_lm` runs AdamW with linear warm-up and cosine decay on batches a stage supplies
-(`batch(step) -> (input_ids [B, T], targets [B, T], loss mask [B, T])`), adds a Switch-style
+(`batch(step) -> (input_ids [B, T], targets [B, T], loss mask [B, T])`, or the sequences
+packed into a prefix tree, `Packed`), adds a Switch-style
 load-balancing loss on every router (read through forward hooks, so the engine's `MoEModel` is
 used unchanged), computes in bf16 where the hardware has native bf16 matmuls (`precision`),
 and writes a resumable `state.pt` (model,
@@ -23,10 +24,32 @@ from typing import Callable
 
 import torch
 
-from agent_runtime.model.model import MoE, MoEModel, token_logprobs
+from agent_runtime.model.model import MoE, MoEModel, Paths, token_logprobs
 from learner.precision import Bf16Copy, bf16_compute
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Packed:
+    """A batch's sequences packed into one prefix tree (`agent_runtime.model.Paths`): the
+    positions several sequences start with (SFT's system prompt and tool listing) fed once.
+    `targets` [M]: the trained tokens, the loss their mean (as `targets[mask]`'s in a `Batch`);
+    `rows` [M]: each one's row among the logits at `at` [1, N] (None: one token a row, in
+    order)."""
+    ids: torch.Tensor               # [1, N] packed token ids
+    positions: torch.Tensor         # [1, N] each one's position in its sequences
+    paths: Paths
+    at: torch.Tensor                # [1, N] bool: where logits are computed
+    targets: torch.Tensor           # [M]
+    rows: torch.Tensor | None = None    # [M]
+
+    def to(self, device: str) -> "Packed":
+        move = lambda t: t.to(device, non_blocking=True)            # noqa: E731
+        return Packed(move(self.ids), move(self.positions),
+                      Paths(move(self.paths.index), move(self.paths.take), self.paths.spans),
+                      move(self.at), move(self.targets),
+                      None if self.rows is None else move(self.rows))
 
 
 @dataclass
@@ -139,16 +162,28 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
         while step < total:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, c, total)
-            ids, targets, mask = (t.to(device, non_blocking=True) for t in batch(step))
-            with autocast:
-                if c.head_on_mask:
-                    logits = net(ids, logits_at=mask).logits              # [N, V]
-                else:
-                    logits = net(ids).logits
-            if c.head_on_mask:
-                loss = -token_logprobs(logits, targets[mask]).mean()
+            b = batch(step)
+            if isinstance(b, Packed):
+                b = b.to(device)
+                with autocast:
+                    logits = net(b.ids, positions=b.positions, paths=b.paths,
+                                 logits_at=b.at).logits                    # [N, V]
+                if b.rows is not None:
+                    logits = logits.index_select(0, b.rows)
+                loss = -token_logprobs(logits, b.targets).mean()
+                ids, trained = b.ids, len(b.targets)
             else:
-                loss = masked_loss(logits, targets, mask)
+                ids, targets, mask = (t.to(device, non_blocking=True) for t in b)
+                with autocast:
+                    if c.head_on_mask:
+                        logits = net(ids, logits_at=mask).logits          # [N, V]
+                    else:
+                        logits = net(ids).logits
+                if c.head_on_mask:
+                    loss = -token_logprobs(logits, targets[mask]).mean()
+                else:
+                    loss = masked_loss(logits, targets, mask)
+                trained = int(mask.sum())
             aux = stats.aux_loss()
             opt.zero_grad(set_to_none=True)
             (loss + c.aux_coef * aux).backward()
@@ -158,8 +193,8 @@ def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_
             opt.step()
             if shadow:
                 net = shadow.synced()
-            tokens += int(mask.sum())
-            seen += ids.numel()
+            tokens += trained
+            seen += ids.numel()                 # positions fed (a packed tree's once each)
             window.append(loss.item())
             step = done = step + 1
             if c.fit_to_time and c.max_seconds and (done - start == 10 or

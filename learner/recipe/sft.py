@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from agent_runtime import names
 from agent_runtime.context import SUMMARY_REQUEST
 from agent_runtime.mentions import CONFIG_KEY as MENTIONS_KEY
-from learner.recipe.lm import LMConfig, train_lm
+from agent_runtime.model.model import Paths
+from learner.recipe.lm import LMConfig, Packed, train_lm
 from learner.tasks.oracle import OraclePolicy, garble, with_slip
 
 
@@ -76,6 +77,9 @@ class SFTConfig:
     batch_tokens: int = 0           # else: steps of about this many tokens, sequences of like
                                     # length together (little padding), every sequence once an epoch
     max_len: int = 4096             # longer sequences are cut
+    share_prefix: bool = True       # a step's sequences packed into one prefix tree: what
+                                    # they start with alike (the system prompt and tool
+                                    # listing, ~250 tokens) fed once (the same loss)
     rename: float = 0.0             # share of the sequences in each batch seen with their domain
                                     # words renamed (`learner.recipe.augment`): copy, not recall
     rename_merge: float = 0.0       # of those, the share where two of the words become one
@@ -419,13 +423,16 @@ Transform = Callable[[np.ndarray, np.ndarray, random.Random], tuple[np.ndarray, 
 
 
 def sequence_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_size: int, max_len: int,
-                     pad: int, seed: int, transform: Transform | None = None
-                     ) -> Callable[[int], tuple[torch.Tensor, ...]]:
+                     pad: int, seed: int, transform: Transform | None = None,
+                     pack: bool = False) -> Callable[[int], tuple[torch.Tensor, ...] | Packed]:
     """batch(step): `batch_size` sequences drawn by (seed, step), right-padded, shifted by one;
-    targets are trained only where the mask marks a completion token."""
+    targets are trained only where the mask marks a completion token. With `pack`, packed
+    into a prefix tree (`_packed`) instead of padded."""
     def batch(step: int):
         rng = random.Random(seed * 1_000_003 + step)
         picked = [seqs[rng.randrange(len(seqs))] for _ in range(batch_size)]
+        if pack:
+            return _packed(picked, max_len, transform, rng)
         return _padded(picked, max_len, pad, transform, rng)
     return batch
 
@@ -447,12 +454,37 @@ def _padded(picked: list[tuple[np.ndarray, np.ndarray]], max_len: int, pad: int,
     return ids[:, :-1], ids[:, 1:], mask[:, 1:]
 
 
+def _packed(picked: list[tuple[np.ndarray, np.ndarray]], max_len: int,
+            transform: Transform | None = None, rng: random.Random | None = None) -> Packed:
+    """The sequences `_padded` makes of `picked`, packed into one prefix tree (`Packed`): the
+    positions they start with alike are fed once; the same trained tokens and loss."""
+    from learner.trainer import _tree, packed_tree
+    if transform is not None:
+        picked = [transform(s, m, rng) for s, m in picked]
+    cut = [(s[:max_len].astype(np.int64), m[:max_len].astype(bool)) for s, m in picked]
+    fed = [s[:-1] for s, _ in cut]
+    nodes, n = _tree([f[:, None] for f in fed])
+    ids, positions, paths = packed_tree(fed, nodes, n)
+    where = np.concatenate([nd[m[1:]] for nd, (_, m) in zip(nodes, cut)])
+    targets = np.concatenate([s[1:][m[1:]] for s, m in cut])
+    order = np.argsort(where, kind="stable")           # logits come in packed order
+    where, targets = where[order], targets[order]
+    at = np.zeros(n, dtype=bool)
+    at[where] = True
+    rows = None
+    if len(np.unique(where)) < len(where):              # a shared position trained twice
+        rows = torch.from_numpy(np.cumsum(at)[where] - 1)
+    return Packed(ids[None], positions[None], Paths(*paths), torch.from_numpy(at)[None],
+                  torch.from_numpy(targets), rows)
+
+
 def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int, max_len: int,
-                   pad: int, seed: int, transform: Transform | None = None
-                   ) -> Callable[[int], tuple[torch.Tensor, ...]]:
+                   pad: int, seed: int, transform: Transform | None = None, pack: bool = False
+                   ) -> Callable[[int], tuple[torch.Tensor, ...] | Packed]:
     """batch(step): sequences of similar length (sorted, then cut into groups whose padded size
     stays within `batch_tokens`), groups in an order shuffled per epoch by (seed, epoch); each
-    epoch shows every sequence once. Same output as `sequence_batches`."""
+    epoch shows every sequence once. Same output as `sequence_batches`; with `pack`, the group
+    packed into a prefix tree (`_packed`) instead of padded."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     groups: list[list[int]] = []
     for i in order:
@@ -466,8 +498,10 @@ def length_batches(seqs: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int,
         epoch, k = divmod(step, len(groups))
         perm = list(range(len(groups)))
         random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-        return _padded([seqs[i] for i in groups[perm[k]]], max_len, pad, transform,
-                       random.Random(seed * 1_000_003 + step + 1))
+        picked, rng = [seqs[i] for i in groups[perm[k]]], random.Random(seed * 1_000_003 + step + 1)
+        if pack:
+            return _packed(picked, max_len, transform, rng)
+        return _padded(picked, max_len, pad, transform, rng)
     return batch
 
 
@@ -547,10 +581,10 @@ def run(start_dir: Path, data: Path | Sequence[Path], out: Path, config: SFTConf
         seqs = seqs + copy_sequences(tok, seqs, config.copy_share, config.seed)
     if config.batch_tokens:
         batch = length_batches(seqs, config.batch_tokens, config.max_len, pad, config.seed,
-                               transform)
+                               transform, config.share_prefix)
     else:
         batch = sequence_batches(seqs, config.batch_size, config.max_len, pad, config.seed,
-                                 transform)
+                                 transform, config.share_prefix)
     result = train_lm(model, batch, config.train, out / "state", device, log=log)
     model.to("cpu")
     if config.mentions:                         # EnginePolicy.mentions: the loop adds the block

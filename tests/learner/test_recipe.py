@@ -697,6 +697,50 @@ def test_length_batches_show_every_sequence_once_per_epoch_within_budget():
     assert seen == Counter(min(len(s), 256) for s, _ in seqs)
 
 
+def test_packed_batches_train_the_tokens_padded_ones_do_with_the_same_loss_and_gradients(
+        tok_dir, tmp_path):
+    """SFT's sequences start alike (the system prompt): packed into a prefix tree, a step feeds
+    those positions once, with the loss and gradients of the padded batch (a sequence sharing
+    nothing, a duplicate whose tokens are trained twice, a cut at max_len), and train_lm
+    takes either kind of batch."""
+    from learner.recipe.sft import length_batches
+    from learner.recipe.lm import Packed, token_logprobs
+    torch.manual_seed(0)
+    model = init_model(TINY, load_tokenizer(tok_dir), seed=0).float()
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, 200, 40)
+    seqs = []
+    for n in (70, 90, 90, 200):
+        ids = np.concatenate([head, rng.integers(0, 200, n)]).astype(np.uint16)
+        mask = (rng.random(len(ids)) < 0.5).astype(np.uint8)
+        mask[:40] = 0
+        seqs.append((ids, mask))
+    seqs.append(seqs[1])                                    # a duplicate: trained twice
+    seqs.append((rng.integers(0, 200, 60).astype(np.uint16), np.ones(60, np.uint8)))
+    padded = length_batches(seqs, batch_tokens=10**6, max_len=180, pad=0, seed=3)
+    packed = length_batches(seqs, batch_tokens=10**6, max_len=180, pad=0, seed=3, pack=True)
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ids, targets, mask = padded(0)
+    p = packed(0)
+    fed = [min(len(s), 180) - 1 for s, _ in seqs]
+    assert isinstance(p, Packed) and p.ids.shape[1] == sum(fed) - 4 * 40 - (fed[4] - 40)
+    assert len(p.targets) == int(mask.sum()) and p.rows is not None
+    loss_a, ga = grads(-token_logprobs(model(ids, logits_at=mask).logits, targets[mask]).mean())
+    logits = model(p.ids, positions=p.positions, paths=p.paths, logits_at=p.at).logits
+    loss_b, gb = grads(-token_logprobs(logits.index_select(0, p.rows), p.targets).mean())
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    c = LMConfig(steps=2, lr=1e-3, warmup=1, checkpoint_every=10, log_every=1, precision="fp32")
+    out = train_lm(model, packed, c, tmp_path / "state", log=lambda _: None)
+    assert out["steps"] == 2 and np.isfinite(out["history"][-1]["loss"])
+
+
 def test_head_on_the_mask_gives_the_logits_of_those_positions(tok_dir):
     model = init_model(TINY, load_tokenizer(tok_dir), seed=0)
     ids = torch.randint(0, 200, (2, 9))
