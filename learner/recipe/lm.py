@@ -130,8 +130,9 @@ def make_optimizer(model: MoEModel, c: LMConfig) -> torch.optim.AdamW:
                              fused=next(model.parameters()).is_cuda)
 
 
-def train_lm(model: MoEModel, batch: Callable[[int], Batch], c: LMConfig, state_dir: Path,
-             device: str = "cpu", evaluate: Callable[[], dict] | None = None,
+def train_lm(model: MoEModel, batch: Callable[[int], Batch | Packed], c: LMConfig,
+             state_dir: Path, device: str = "cpu",
+             evaluate: Callable[[], dict] | None = None,
              eval_every: int = 0, log: Callable[[dict], None] = print) -> dict:
     """Train `model` (fp32 masters on `device`) for `c.steps`, resuming from `state_dir`."""
     state_dir.mkdir(parents=True, exist_ok=True)
