@@ -499,8 +499,8 @@ def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, portable_build)
     """Without AVX2 (`-march=x86-64`) the extension runs scalar loops; with it, the same
     arithmetic 8 lanes at a time: the products' lanes summed in registers (`lane_sums8`),
     attention's exp (`exp8_ps` against `exp_one`), its scaling and its weighted values. Their
-    outputs are the same bits: matmuls of 1-8 rows (widths whole blocks of 16 or not; one row in
-    four streams), and
+    outputs are the same bits: matmuls of 1-8 rows (widths whole blocks of 16 or not; 1-4 rows
+    in streams), and
     attention decoding and prefilling, causal or masked, over 1-300 keys, with head sizes of
     8-lane blocks and not."""
     portable = portable_build
@@ -509,8 +509,8 @@ def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, portable_build)
     def same(a, b):
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
-    # 37 and 301 outputs: one row of x takes them in four streams of runs of 8 and 74 rows
-    # (`four_streams`) and the rest one after another
+    # 37 and 301 outputs: 1-4 rows of x take them in streams (`row_streams`: one row in four
+    # runs of 8 and 74 rows, two to four rows in two runs) and the rest one after another
     for outputs, width in ((37, 16), (37, 40), (37, 64), (37, 256), (301, 256)):
         w = torch.randn(outputs, width, generator=g).bfloat16()
         b = torch.randn(outputs, generator=g).bfloat16()

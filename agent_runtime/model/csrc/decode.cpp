@@ -356,48 +356,54 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// One row of x against w's rows begin..end in four streams: the range cut into four equal
-// runs, a step taking one row of each run side by side along k, so four reads are in flight
-// at a time far apart (separate pages) instead of one row after another. A single row of x
-// reads its weights at 16-20 GB/s from one stream on a 2-core AVX2-only AMD EPYC, 21-27 from
-// four (a 256 MB matrix of K = 1,024, both cores; PyTorch's sum of 256 MB read 22-23 there);
-// rows adjacent along k (`dot_lanes` side by side) were slower than one stream (11-21). Each
-// product is still its row's `fma_lanes` and `lane_sums8` tree, so the same bits as
-// `dot_rows<1, NB>`. Takes the first 4 x run rows (runs of an even length) and returns the
-// first row it did not take.
-template <class Out>
-inline int64_t four_streams(const float* x, const uint16_t* w, int64_t K, const float* bias,
-                            Out* y, int64_t begin, int64_t end) {
-  const int64_t run = (end - begin) / 4 / 2 * 2;   // rows of each stream, two a step
-  for (int64_t i = 0; i < run; i += 2) {
-    __m256 s8[8];
-    for (int p = 0; p < 2; ++p) {
-      const uint16_t* wr[4];
-      __m256 lo[4], hi[4];
-      for (int r = 0; r < 4; ++r) {
+// M rows of x against w's rows begin..end in S streams: the range cut into S equal runs, a
+// step taking one row of each run side by side along k, so S reads are in flight at a time
+// far apart (separate pages) instead of one row after another. A single row of x reads its
+// weights at 16-20 GB/s from one stream on a 2-core AVX2-only AMD EPYC, 21-27 from four (a 256
+// MB matrix of K = 1,024, both cores; PyTorch's sum of 256 MB read 22-23 there); rows adjacent
+// along k (`dot_lanes` side by side) were slower than one stream (11-21). Each product is
+// still its pair's `fma_lanes` chains and `lane_sums8` tree, so the same bits as `dot_rows`.
+// A step takes P rows of each run (S x M x P sums, eight at a time through the tree); returns
+// the first row it did not take (the S runs cover begin..begin + S x run).
+template <int S, int M, class Out>
+inline int64_t row_streams(const float* x, const uint16_t* w, int64_t K, const float* bias,
+                           Out* y, int64_t N, int64_t begin, int64_t end) {
+  constexpr int C = S * M, P = C < 8 && 8 % C == 0 ? 8 / C : 1, CP = (C * P + 7) / 8 * 8;
+  const int64_t run = (end - begin) / S / P * P;    // rows of each stream, P a step
+  for (int64_t i = 0; i < run; i += P) {
+    __m256 s8[CP];
+    for (int p = 0; p < P; ++p) {
+      const uint16_t* wr[S];
+      __m256 lo[S][M], hi[S][M];
+      for (int r = 0; r < S; ++r) {
         wr[r] = w + (begin + r * run + i + p) * K;
-        lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int m = 0; m < M; ++m) lo[r][m] = hi[r][m] = _mm256_setzero_ps();
       }
-      for (int64_t k = 0; k < K; k += kLanes) {
-        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        for (int r = 0; r < 4; ++r) {
-          lo[r] = _mm256_fmadd_ps(x0, widen8(wr[r] + k), lo[r]);
-          hi[r] = _mm256_fmadd_ps(x1, widen8(wr[r] + k + 8), hi[r]);
+      for (int64_t k = 0; k < K; k += kLanes)
+        for (int r = 0; r < S; ++r) {
+          const __m256 w0 = widen8(wr[r] + k), w1 = widen8(wr[r] + k + 8);
+          for (int m = 0; m < M; ++m) {
+            lo[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, lo[r][m]);
+            hi[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, hi[r][m]);
+          }
+        }
+      for (int r = 0; r < S; ++r)
+        for (int m = 0; m < M; ++m) s8[(p * S + r) * M + m] = _mm256_add_ps(lo[r][m], hi[r][m]);
+    }
+    for (int c = C * P; c < CP; ++c) s8[c] = _mm256_setzero_ps();
+    float s[CP];
+    for (int c = 0; c < CP; c += 8) lane_sums8(s8 + c, s + c);
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < S; ++r) {
+        const int64_t n = begin + r * run + i + p;
+        for (int m = 0; m < M; ++m) {
+          float t = s[(p * S + r) * M + m];
+          if (bias) t += bias[n];
+          y[m * N + n] = Out(t);
         }
       }
-      for (int r = 0; r < 4; ++r) s8[p * 4 + r] = _mm256_add_ps(lo[r], hi[r]);
-    }
-    float s[8];
-    lane_sums8(s8, s);
-    for (int p = 0; p < 2; ++p)
-      for (int r = 0; r < 4; ++r) {
-        const int64_t n = begin + r * run + i + p;
-        float t = s[p * 4 + r];
-        if (bias) t += bias[n];
-        y[n] = Out(t);
-      }
   }
-  return begin + 4 * run;
+  return begin + S * run;
 }
 #endif
 #endif
@@ -939,6 +945,13 @@ at::Tensor as_xrows(const at::Tensor& x) {
   return x.to(std::is_same<XRow, float>::value ? at::kFloat : at::kBFloat16).contiguous();
 }
 
+// Streams `row_streams` reads w in for M rows of x (1: one row after another, `dot_rows`).
+// One row 4, two to four rows 2: the 0.5 B shape's decode of 2 and 4 rows 1.47x and 1.18x
+// four streams for one row alone (2026-12-07, the AVX2-only EPYC, builds alternated in one
+// process); five rows and more are bound by the multiply-adds, not the reads.
+template <int M>
+constexpr int kStreams = M == 1 ? 4 : M <= 4 ? 2 : 1;
+
 // Outputs begin..end of y [M, N] = x [M, K] @ w [N, K]^T (+ b), on the calling thread.
 // `Stream` as `dot_rows`': false for keys in cache (attention's scores).
 template <int M, bool Stream = true, class Out>
@@ -950,9 +963,10 @@ void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const fl
   constexpr int NB = kBlock<M>;
   int64_t n = begin;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  if constexpr (M == 1 && Stream)
-    if (K % kLanes == 0 && end - begin >= 32)
-      n = four_streams(x, w, K, bias, y, begin, end);   // the rest below
+  constexpr int S = kStreams<M>;
+  if constexpr (S > 1 && Stream)
+    if (K % kLanes == 0 && end - begin >= 8 * S)
+      n = row_streams<S, M>(x, w, K, bias, y, N, begin, end);   // the rest below
 #endif
   for (; n + NB <= end; n += NB) dot_rows<M, NB, Stream>(x, w, K, n, bias, y, N);
   for (; n < end; ++n) dot_rows<M, 1, Stream>(x, w, K, n, bias, y, N);
