@@ -945,10 +945,10 @@ at::Tensor as_xrows(const at::Tensor& x) {
   return x.to(std::is_same<XRow, float>::value ? at::kFloat : at::kBFloat16).contiguous();
 }
 
-// Streams `row_streams` reads w in for M rows of x (1: one row after another, `dot_rows`).
-// One row 4, two to four rows 2: the 0.5 B shape's decode of 2 and 4 rows 1.47x and 1.18x
-// four streams for one row alone (2026-12-07, the AVX2-only EPYC, builds alternated in one
-// process); five rows and more are bound by the multiply-adds, not the reads.
+// Streams `row_streams` reads w in for M rows of x (1: one row after another, `dot_rows`):
+// four for one row, two for two to four rows (the 0.5 B shape's decode of 2 and 4 sampled rows
+// 1.47x and 1.18x a build with streams for one row only, 2026-12-07, the AVX2-only EPYC, the
+// builds alternated in one process); five rows and more are bound by the multiply-adds.
 template <int M>
 constexpr int kStreams = M == 1 ? 4 : M <= 4 ? 2 : 1;
 
