@@ -500,9 +500,8 @@ def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, portable_build)
     arithmetic 8 lanes at a time: the products' lanes summed in registers (`lane_sums8`),
     attention's exp (`exp8_ps` against `exp_one`), its scaling and its weighted values. Their
     outputs are the same bits: matmuls of 1-8 rows (widths whole blocks of 16 or not; 1-4 rows
-    in streams), and
-    attention decoding and prefilling, causal or masked, over 1-300 keys, with head sizes of
-    8-lane blocks and not."""
+    in streams), and attention decoding and prefilling, causal or masked, over 1-300 keys,
+    with head sizes of 8-lane blocks and not."""
     portable = portable_build
     g = torch.Generator().manual_seed(5)
 

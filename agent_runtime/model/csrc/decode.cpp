@@ -965,7 +965,7 @@ void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const fl
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   constexpr int S = kStreams<M>;
   if constexpr (S > 1 && Stream)
-    if (K % kLanes == 0 && end - begin >= 8 * S)
+    if (K % kLanes == 0 && end - begin >= 8 * S)   // runs of 8 rows or more
       n = row_streams<S, M>(x, w, K, bias, y, N, begin, end);   // the rest below
 #endif
   for (; n + NB <= end; n += NB) dot_rows<M, NB, Stream>(x, w, K, n, bias, y, N);
