@@ -499,9 +499,9 @@ def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, portable_build)
     """Without AVX2 (`-march=x86-64`) the extension runs scalar loops; with it, the same
     arithmetic 8 lanes at a time: the products' lanes summed in registers (`lane_sums8`),
     attention's exp (`exp8_ps` against `exp_one`), its scaling and its weighted values. Their
-    outputs are the same bits: matmuls of 1-8 rows (widths whole blocks of 16 or not; 1-4 rows
-    in streams), and attention decoding and prefilling, causal or masked, over 1-300 keys,
-    with head sizes of 8-lane blocks and not."""
+    outputs are the same bits: matmuls of 1-8 rows, bf16 weights and int8 copies (widths whole
+    blocks of 16 or not; 1-4 rows in streams), and attention decoding and prefilling, causal or
+    masked, over 1-300 keys, with head sizes of 8-lane blocks and not."""
     portable = portable_build
     g = torch.Generator().manual_seed(5)
 
@@ -513,9 +513,12 @@ def test_the_avx2_loops_give_the_portable_loops_bits(avx2_build, portable_build)
     for outputs, width in ((37, 16), (37, 40), (37, 64), (37, 256), (301, 256)):
         w = torch.randn(outputs, width, generator=g).bfloat16()
         b = torch.randn(outputs, generator=g).bfloat16()
+        q = torch.randint(-127, 128, (outputs, width), generator=g, dtype=torch.int8)
+        scale = torch.rand(outputs, generator=g) * 0.02                 # int8 copies likewise
         for rows in range(1, 9):
             x = torch.randn(rows, width, generator=g).bfloat16()
             assert same(avx2_build.rows_linear(x, w, b), portable.rows_linear(x, w, b)), width
+            assert same(avx2_build.int8_rows(x, q, scale, b), portable.int8_rows(x, q, scale, b))
     for kv, group, new, cols, dim in [(2, 2, 1, 1, 64), (2, 2, 1, 300, 64), (1, 3, 1, 77, 20),
                                       (2, 1, 19, 19, 64), (2, 2, 7, 150, 64), (1, 2, 5, 40, 48)]:
         for masked in (False, True):

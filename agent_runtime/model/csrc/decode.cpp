@@ -364,16 +364,19 @@ inline void dot_rows(const float* x, const uint16_t* w, int64_t K, int64_t n, co
 // along k (`dot_lanes` side by side) were slower than one stream (11-21). Each product is
 // still its pair's `fma_lanes` chains and `lane_sums8` tree, so the same bits as `dot_rows`.
 // A step takes P rows of each run (S x M x P sums, eight at a time through the tree); returns
-// the first row it did not take (the S runs cover begin..begin + S x run).
-template <int S, int M, class Out>
-inline int64_t row_streams(const float* x, const uint16_t* w, int64_t K, const float* bias,
-                           Out* y, int64_t N, int64_t begin, int64_t end) {
+// the first row it did not take (the S runs cover begin..begin + S x run). W: bf16 weights, or
+// int8 copies (`int8_span`) whose row's scale multiplies the sum before the bias, as
+// `store_rows` does.
+template <int S, int M, class W, class Out>
+inline int64_t row_streams(const float* x, const W* w, int64_t K, const float* bias,
+                           Out* y, int64_t N, int64_t begin, int64_t end,
+                           const float* scale = nullptr) {
   constexpr int C = S * M, P = C < 8 && 8 % C == 0 ? 8 / C : 1, CP = (C * P + 7) / 8 * 8;
   const int64_t run = (end - begin) / S / P * P;    // rows of each stream, P a step
   for (int64_t i = 0; i < run; i += P) {
     __m256 s8[CP];
     for (int p = 0; p < P; ++p) {
-      const uint16_t* wr[S];
+      const W* wr[S];
       __m256 lo[S][M], hi[S][M];
       for (int r = 0; r < S; ++r) {
         wr[r] = w + (begin + r * run + i + p) * K;
@@ -398,6 +401,7 @@ inline int64_t row_streams(const float* x, const uint16_t* w, int64_t K, const f
         const int64_t n = begin + r * run + i + p;
         for (int m = 0; m < M; ++m) {
           float t = s[(p * S + r) * M + m];
+          if (scale) t *= scale[n];
           if (bias) t += bias[n];
           y[m * N + n] = Out(t);
         }
@@ -1194,6 +1198,12 @@ void int8_span(const float* x, const int8_t* w, int64_t N, int64_t K, const floa
                const float* bias, at::BFloat16* y, int64_t begin, int64_t end) {
   constexpr int NB = kBlock<M>;
   int64_t n = begin;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  constexpr int S = kStreams<M>;                   // as `rows_range`'s
+  if constexpr (S > 1)
+    if (K % kLanes == 0 && end - begin >= 8 * S)
+      n = row_streams<S, M>(x, w, K, bias, y, N, begin, end, scale);   // the rest below
+#endif
   for (; n + NB <= end; n += NB) dot_rows_i8<M, NB>(x, w, K, n, scale, bias, y, N);
   for (; n < end; ++n) dot_rows_i8<M, 1>(x, w, K, n, scale, bias, y, N);
 }
