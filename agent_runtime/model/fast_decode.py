@@ -10,10 +10,10 @@ the first time a decode needs it; when it cannot be built (no compiler, no ninja
 is of a kind it does not cover, `stepper` returns None and generation stays in Python.
 A model with int8 copies of its weights (`quantize`) passes them too, and the step's matmuls of
 at most 8 rows run on them, as `model.linear` does.
-For a bf16 model without biases or int8 copies, the step runs on pointers instead
-(`decode_direct`: the same kernels on the same values, so the same bits, without the tensor
-operations between them; `APPRENTICE_DECODE_DIRECT=0`, read by each `stepper` call, keeps the
-tensor step).
+For a bf16 model without biases, with int8 copies of every weight `quantize` copies or of
+none, the step runs on pointers instead (`decode_direct`: the same kernels on the same values,
+so the same bits, without the tensor operations between them; `APPRENTICE_DECODE_DIRECT=0`,
+read by each `stepper` call, keeps the tensor step).
 `APPRENTICE_FAST_DECODE=0` turns the step off, not the extension's few-row bf16 matmul
 (`rows_linear`), which `model.linear` uses whenever the extension is built, so that the Python
 step and the C++ one compute the same bits. On CPUs with AMX-BF16 tiles the few-row products
@@ -174,6 +174,14 @@ def packed_weights(model: MoEModel) -> list[torch.Tensor]:
     return [] if head is None else out + [head]
 
 
+def _fp32_scales(copies: tuple[torch.Tensor, ...] | None, pairs: int) -> list[torch.Tensor | None]:
+    """`quantize`'s (int8 weight, scale) pairs with the scales in fp32 (the same values: the
+    kernels widen them anyway), or Nones for a layer without copies."""
+    if copies is None:
+        return [None] * 2 * pairs
+    return [t.float() if i % 2 and t is not None else t for i, t in enumerate(copies)]
+
+
 def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] | None:
     """step(tokens [B], cache) -> the `ModelOutput` of `model(tokens[:, None], cache=cache)`,
     or None when the C++ step is off, unavailable or does not cover `model`."""
@@ -194,8 +202,8 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
         with_bias = [p.bias is not None for p in projections]
         if quantized:
             for m in (*projections, att.o_proj):
-                quant += list(m.q) if m.q is not None else [None, None]
-            quant += list(moe.experts.q) if moe.experts.q is not None else [None] * 4
+                quant += _fp32_scales(m.q, 1)
+            quant += _fp32_scales(moe.experts.q, 2)
         if model.dtype == torch.bfloat16 and len(set(with_bias)) == 1 and not quantized:
             qkv.append(torch.cat([p.weight for p in projections]))
             qkv.append(torch.cat([p.bias for p in projections]) if with_bias[0] else None)
@@ -211,7 +219,7 @@ def stepper(model: MoEModel) -> Callable[[torch.Tensor, KVCache], ModelOutput] |
                    moe.experts.gate_up, moe.experts.down]
         biases += [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias, att.o_proj.bias]
     if quantized:
-        quant += list(model.lm_head.q) if model.lm_head.q is not None else [None, None]
+        quant += _fp32_scales(model.lm_head.q, 1)
     packed = [] if quantized or any(w is None for w in qkv[::2]) else packed_weights(model)
     model._rope(torch.zeros(1, 1, dtype=torch.long), model.dtype)      # build the tables
     cos, sin = model._rope_table

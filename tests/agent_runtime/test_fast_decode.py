@@ -87,19 +87,26 @@ def _kernels_called(model, tokens=(3, 5)):
 def test_the_direct_step_calls_no_tensor_kernel_and_declines_what_it_does_not_cover(
         built, monkeypatch, tmp_path):
     """`decode_direct` serves a bf16 model without biases by itself (none of the extension's
-    tensor-level kernels runs; the bitwise tests above would pass as well if it declined), and
-    leaves a model with biases, an fp32 one and APPRENTICE_DECODE_DIRECT=0 to the tensor path.
-    It serves on every CPU: a bf16 model's KV cache is bf16 even where prompts attend in fp32
-    (`UPCAST_CPU`: AVX2 without AVX512; `model.cache_dtype`)."""
+    tensor-level kernels runs; the bitwise tests above would pass as well if it declined), with
+    int8 copies of every weight `quantize` copies too, and leaves a model with biases, an fp32
+    one, one whose experts' `down` has no copy and APPRENTICE_DECODE_DIRECT=0 to the tensor
+    path. It serves on every CPU: a bf16 model's KV cache is bf16 even where prompts attend in
+    fp32 (`UPCAST_CPU`: AVX2 without AVX512; `model.cache_dtype`)."""
+    from agent_runtime.model.quantize import quantize
     plain = save_hf_checkpoint("qwen3_moe", tmp_path / "m")
     biased = save_hf_checkpoint("qwen3_moe", tmp_path / "b", attention_bias=True)
+    wide = save_hf_checkpoint("qwen3_moe", tmp_path / "w", moe_intermediate_size=32)
     monkeypatch.setenv(fast_decode.DIRECT, "1")
     tensor_path = {"apprentice::rows_linear", "apprentice::rms_norm_rows", "apprentice::moe_rows"}
+    int8_path = {"apprentice::int8_rows", "apprentice::moe_rows_i8"}
     assert _kernels_called(load_model(plain, dtype="bfloat16")) == set()
+    assert _kernels_called(quantize(load_model(wide, dtype="bfloat16"))) == set()
+    assert "apprentice::int8_rows" in _kernels_called(quantize(load_model(plain, dtype="bfloat16")))
     assert tensor_path <= _kernels_called(load_model(biased, dtype="bfloat16"))
     assert "apprentice::rows_linear" not in _kernels_called(load_model(plain, dtype="float32"))
     monkeypatch.setenv(fast_decode.DIRECT, "0")
     assert tensor_path <= _kernels_called(load_model(plain, dtype="bfloat16"))
+    assert int8_path <= _kernels_called(quantize(load_model(wide, dtype="bfloat16")))
 
 
 def test_a_group_that_shares_its_prompt_reads_it_once_with_the_python_steps_bits(

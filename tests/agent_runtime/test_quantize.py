@@ -84,12 +84,13 @@ def test_the_cpp_step_reads_the_copies_with_the_python_steps_bits(monkeypatch, t
                             (_prompts(9, 9, 9, 9, 9, 9, 9, 9, 9),    # 9 rows: full weights
                              SamplingParams(max_new_tokens=8, temperature=1.0, seed=3))]:
         out = {}
-        for mode in ("0", "1"):
+        for mode, direct in (("0", "1"), ("1", "0"), ("1", "1")):   # Python, tensor, direct
             monkeypatch.setenv(fast_decode.ENV, mode)
-            out[mode] = generate(model, prompts, params)
-        for a, b in zip(out["0"], out["1"]):
-            assert a.tokens == b.tokens and a.logprobs == b.logprobs
-            assert torch.equal(a.routes, b.routes)
+            monkeypatch.setenv(fast_decode.DIRECT, direct)
+            out[mode + direct] = generate(model, prompts, params)
+        for a, b, c in zip(out["01"], out["10"], out["11"]):
+            assert a.tokens == b.tokens == c.tokens and a.logprobs == b.logprobs == c.logprobs
+            assert torch.equal(a.routes, b.routes) and torch.equal(a.routes, c.routes)
     full = generate(load_model(path, dtype=dtype), _prompts(13), SamplingParams(max_new_tokens=16))
     q8 = generate(model, _prompts(13), SamplingParams(max_new_tokens=16))
     assert full[0].logprobs != q8[0].logprobs                       # the step read the copies

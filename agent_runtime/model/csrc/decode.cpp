@@ -2,8 +2,8 @@
 // call. It issues the same operations, in the same order and with the same arguments, as
 // `MoEModel.forward` does for a one-token step, so its logits and routes are bitwise those of
 // the Python path; what it removes is the interpreter between ~70 small operations per layer.
-// Its common case (bf16, no biases, no int8 copies) runs on pointers (`decode_direct`), the
-// same kernels without those operations between them.
+// Its common case (bf16, no biases, int8 copies of every weight `quantize` copies or of none)
+// runs on pointers (`decode_direct`), the same kernels without those operations between them.
 // Its bf16 matmuls of at most 8 rows run in `rows_linear` below, which `model.linear` calls
 // for them too. Supported: every layer MoE, softmax-then-top-k routing, q/k norm per head or
 // none, no shared expert, no multipliers (see `fast_decode.supported`).
@@ -1222,6 +1222,19 @@ void grouped_rows_i8(const float* xp, const std::vector<const int8_t*>& ws,
   });
 }
 
+// `int8_rows` on pointers: y [M, N] bf16 = x [M, K] fp32 @ (q [N, K] * scale [N])^T (+ b [N])
+void int8_kernel(int64_t M, const float* xp, const int8_t* wp, int64_t N, int64_t K,
+                 const float* sp, const float* bp, at::BFloat16* yp) {
+  with_rows(M, [&](auto m) {
+    constexpr int R = decltype(m)::value;
+    constexpr int64_t NB = kBlock<R>;
+    const int64_t grain = std::max<int64_t>(NB, kGrainMacs / (K * R) / NB * NB);
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      int8_span<R>(xp, wp, N, K, sp, bp, yp, begin, end);
+    });
+  });
+}
+
 }  // namespace
 
 // The routed experts of a few rows (a decode step: x [M, H] bf16, M <= 8; idx [M, k] long;
@@ -1315,6 +1328,29 @@ void moe_bf16(const uint16_t* x, int64_t M, int64_t H, const int64_t* id, int64_
   });
 }
 
+// `moe_raw` with the experts' int8 copies (gq [E, 2I, H] and its fp32 scales gs [E, 2I], dq
+// [E, H, I] and ds [E, H]), each expert's products by `int8_span` (`int8_rows`' kernel)
+void moe_i8(const uint16_t* x, int64_t M, int64_t H, const int64_t* id, int64_t k,
+            const at::BFloat16* wp, const int8_t* gq, const float* gs, const int8_t* dq,
+            const float* ds, int64_t E, int64_t I, at::BFloat16* op) {
+  moe_raw(x, M, H, id, k, wp, E, I, op, [&](const uint16_t* xs, int64_t S,
+                                            const std::vector<int64_t>& experts,
+                                            const std::vector<int64_t>& start,
+                                            const std::vector<int64_t>& count, int which,
+                                            at::BFloat16* y) {
+    std::vector<const int8_t*> ws;
+    std::vector<const float*> ss;
+    for (int64_t e : experts) {
+      ws.push_back(which == 0 ? gq + e * 2 * I * H : dq + e * H * I);
+      ss.push_back(which == 0 ? gs + e * 2 * I : ds + e * H);
+    }
+    std::vector<float> buf;                        // x's rows in fp32
+    const float* xf = widened(xs, S * (which == 0 ? H : I), buf);
+    if (which == 0) grouped_rows_i8(xf, ws, ss, start, count, S, 2 * I, H, y);
+    else grouped_rows_i8(xf, ws, ss, start, count, S, H, I, y);
+  });
+}
+
 // moe_rows' and moe_rows_i8's checks of x, idx and w; their data as moe_raw reads it
 struct MoeArgs {
   at::Tensor x, ids, w;
@@ -1360,29 +1396,11 @@ at::Tensor moe_rows_i8(const at::Tensor& x, const at::Tensor& idx, const at::Ten
               gs.numel() == E * 2 * I && ds.numel() == E * H, "moe_rows_i8: shapes");
   auto gqc = gq.contiguous(), dqc = dq.contiguous();
   auto gsf = gs.to(at::kFloat).contiguous(), dsf = ds.to(at::kFloat).contiguous();
-  const int8_t* gp = gqc.data_ptr<int8_t>();
-  const int8_t* dp = dqc.data_ptr<int8_t>();
-  const float* gsp = gsf.data_ptr<float>();
-  const float* dsp = dsf.data_ptr<float>();
   const MoeArgs a(x, idx, w);
   auto out = at::empty({a.M, H}, x.options());
-  moe_raw(a.xp(), a.M, H, a.ids.data_ptr<int64_t>(), a.k, a.w.data_ptr<at::BFloat16>(), E, I,
-          out.data_ptr<at::BFloat16>(), [&](const uint16_t* xs, int64_t S,
-                                            const std::vector<int64_t>& experts,
-                                            const std::vector<int64_t>& start,
-                                            const std::vector<int64_t>& count, int which,
-                                            at::BFloat16* y) {
-    std::vector<const int8_t*> ws;
-    std::vector<const float*> ss;
-    for (int64_t e : experts) {
-      ws.push_back(which == 0 ? gp + e * 2 * I * H : dp + e * H * I);
-      ss.push_back(which == 0 ? gsp + e * 2 * I : dsp + e * H);
-    }
-    std::vector<float> buf;                        // x's rows in fp32
-    const float* xf = widened(xs, S * (which == 0 ? H : I), buf);
-    if (which == 0) grouped_rows_i8(xf, ws, ss, start, count, S, 2 * I, H, y);
-    else grouped_rows_i8(xf, ws, ss, start, count, S, H, I, y);
-  });
+  moe_i8(a.xp(), a.M, H, a.ids.data_ptr<int64_t>(), a.k, a.w.data_ptr<at::BFloat16>(),
+         gqc.data_ptr<int8_t>(), gsf.data_ptr<float>(), dqc.data_ptr<int8_t>(),
+         dsf.data_ptr<float>(), E, I, out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -1405,15 +1423,7 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int8_t* wp = qc.data_ptr<int8_t>();
   const float* sp = sf.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  auto* yp = y.data_ptr<at::BFloat16>();
-  with_rows(M, [&](auto m) {
-    constexpr int R = decltype(m)::value;
-    constexpr int64_t NB = kBlock<R>;
-    const int64_t grain = std::max<int64_t>(NB, kGrainMacs / (K * R) / NB * NB);
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      int8_span<R>(xp, wp, N, K, sp, bp, yp, begin, end);
-    });
-  });
+  int8_kernel(M, xp, wp, N, K, sp, bp, y.data_ptr<at::BFloat16>());
   return y;
 }
 
@@ -2042,7 +2052,10 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor&
 }
 
 // `decode_step` for its common case, on pointers: every weight, the cache and the rotary
-// tables bf16, at most 8 rows, q, k and v's weights in one (`qkv`), no biases, no int8 copies.
+// tables bf16, at most 8 rows, q, k and v's weights in one (`qkv`), no biases; and the same
+// with int8 copies (`quant`, fp32 scales) of every weight `quantize` copies (q, k, v, o, the
+// experts', the output head's), read by `int8_rows`' and `moe_rows_i8`'s kernels as the
+// step below reads them (q, k and v each its own product, so each row its own bits).
 // The same kernels on the same values in the same order as the step below, so the same bits
 // (`rows_linear`'s, `rms_norm_rows`', `rope_rows`', `decode_attention`'s, `moe_rows`' bodies;
 // a bf16 sum is fp32 rounded once to nearest even, as ATen's), without the ~70 tensor
@@ -2057,7 +2070,8 @@ std::vector<at::Tensor> decode_direct(
     const std::vector<c10::optional<at::Tensor>>& qkv, const std::vector<at::Tensor>& k_cache,
     const std::vector<at::Tensor>& v_cache, int64_t heads, int64_t kv_heads, int64_t D,
     int64_t top_k, bool norm_topk, double eps, double scale, int64_t shared,
-    const c10::optional<at::Tensor>& shared_from, const std::vector<at::Tensor>& packed) {
+    const c10::optional<at::Tensor>& shared_from, const std::vector<at::Tensor>& packed,
+    const std::vector<c10::optional<at::Tensor>>& quant) {
   const int64_t B = tokens.size(0), L = static_cast<int64_t>(k_cache.size());
   const int64_t H = embed.size(1), V = lm_head.size(0), G = heads / kv_heads;
   const int64_t NQ = heads * D, NK = kv_heads * D, NH = heads + kv_heads;
@@ -2066,6 +2080,17 @@ std::vector<at::Tensor> decode_direct(
            t->is_contiguous();
   };
   auto none = [](const c10::optional<at::Tensor>& t) { return !t.has_value() || !t->defined(); };
+  // quant[i] an int8 copy [N, K] (or [E, N, K]) and quant[i + 1] its fp32 scales
+  auto copy = [&](int64_t i, std::initializer_list<int64_t> shape) {
+    const c10::optional<at::Tensor> &q = quant[i], &s = quant[i + 1];
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return !none(q) && !none(s) && q->scalar_type() == at::kChar && q->is_contiguous() &&
+           q->sizes().vec() == std::vector<int64_t>(shape) && s->scalar_type() == at::kFloat &&
+           s->is_contiguous() && s->numel() * shape.end()[-1] == n;
+  };
+  const bool q8 = !quant.empty();
+  if (q8 && static_cast<int64_t>(quant.size()) != 12 * L + 2) return {};
   if (B < 1 || B > kRows || tokens.dim() != 1 || tokens.scalar_type() != at::kLong ||
       valid.dim() != 2 || valid.scalar_type() != at::kBool || valid.stride(1) != 1 ||
       valid.size(0) != B || !bf(embed) || !bf(final_norm) || !bf(lm_head) || !bf(cos_table) ||
@@ -2076,7 +2101,7 @@ std::vector<at::Tensor> decode_direct(
   for (int64_t l = 0; l < L; ++l) {
     const c10::optional<at::Tensor>* p = &layers[10 * l];
     if (!bf(p[0]) || !bf(p[4]) || !bf(p[6]) || !bf(p[7]) || !bf(p[8]) || !bf(p[9]) ||
-        !(none(p[5]) || bf(p[5])) || !bf(qkv[2 * l]) || !none(qkv[2 * l + 1]))
+        !(none(p[5]) || bf(p[5])) || !(q8 || bf(qkv[2 * l])) || !none(qkv[2 * l + 1]))
       return {};
     for (int j = 0; j < 4; ++j)
       if (!none(biases[4 * l + j])) return {};
@@ -2085,13 +2110,19 @@ std::vector<at::Tensor> decode_direct(
     if (k.scalar_type() != at::kBFloat16 || v.scalar_type() != at::kBFloat16 || k.dim() != 4 ||
         v.sizes() != k.sizes() || k.size(0) != B || k.size(1) != kv_heads || k.size(3) != D ||
         k.size(2) <= past || k.stride(3) != 1 || k.stride(2) != D || v.stride(3) != 1 ||
-        v.stride(2) != D || qkv[2 * l]->size(0) != NQ + 2 * NK || qkv[2 * l]->size(1) != H ||
+        v.stride(2) != D ||
+        (!q8 && (qkv[2 * l]->size(0) != NQ + 2 * NK || qkv[2 * l]->size(1) != H)) ||
         p[4]->size(0) != H || p[4]->size(1) != NQ || p[0]->numel() != H || p[6]->numel() != H ||
         p[7]->size(0) != E || p[7]->size(1) != H || gu.size(0) != E || gu.size(1) != 2 * I ||
         gu.size(2) != H || dn.size(0) != E || dn.size(1) != H || dn.size(2) != I ||
         (bf(p[5]) && p[5]->numel() != NH * D))
       return {};
+    const int64_t c = 12 * l;
+    if (q8 && !(copy(c, {NQ, H}) && copy(c + 2, {NK, H}) && copy(c + 4, {NK, H}) &&
+                copy(c + 6, {H, NQ}) && copy(c + 8, {E, 2 * I, H}) && copy(c + 10, {E, H, I})))
+      return {};
   }
+  if (q8 && !copy(12 * L, {V, H})) return {};
   auto u16 = [](const at::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
   };
@@ -2153,6 +2184,14 @@ std::vector<at::Tensor> decode_direct(
     const XRow* xr = xrow_ptr(raw(in), B * K, xbuf);
     with_rows(B, [&](auto m) { rows_kernel<decltype(m)::value>(xr, u16(w), N, K, nullptr, out); });
   };
+  std::vector<float> xf;
+  auto matmul8 = [&](const std::vector<at::BFloat16>& in, int64_t i, at::BFloat16* out) {
+    const at::Tensor &qw = *quant[i], &qs = *quant[i + 1];    // the copy quant[i], [N, K]
+    const int64_t N = qw.size(0), K = qw.size(1);
+    int8_kernel(B, widened(raw(in), B * K, xf), qw.data_ptr<int8_t>(), N, K,
+                qs.data_ptr<float>(), nullptr, out);
+  };
+  std::vector<at::BFloat16> part(q8 ? B * std::max(NQ, NK) : 0);
   auto add = [&](const std::vector<at::BFloat16>& r) {      // x = x + r, as ATen adds bf16
     for (int64_t i = 0; i < B * H; ++i)
       x[i] = at::BFloat16(static_cast<float>(x[i]) + static_cast<float>(r[i]));
@@ -2170,7 +2209,17 @@ std::vector<at::Tensor> decode_direct(
     const c10::optional<at::Tensor>* p = &layers[10 * l];
     const at::Tensor &kc = k_cache[l], &vc = v_cache[l];
     rms_rows(raw(x), B, H, u16(*p[0]), 1, e, h.data());
-    matmul(h, *qkv[2 * l], qkvo.data(), u32(5 * l));
+    if (q8) {                                       // q, k and v, each into its columns
+      const int64_t first[3] = {0, NQ, NQ + NK}, width[3] = {NQ, NK, NK};
+      for (int j = 0; j < 3; ++j) {
+        matmul8(h, 12 * l + 2 * j, part.data());
+        for (int64_t b = 0; b < B; ++b)
+          std::memcpy(qkvo.data() + b * (NQ + 2 * NK) + first[j], part.data() + b * width[j],
+                      width[j] * 2);
+      }
+    } else {
+      matmul(h, *qkv[2 * l], qkvo.data(), u32(5 * l));
+    }
     for (int64_t b = 0; b < B; ++b)                 // q and k of each row: [NH, D]
       std::memcpy(qk.data() + b * NH * D, qkvo.data() + b * (NQ + 2 * NK), NH * D * 2);
     const uint16_t* qkr = raw(qk);
@@ -2201,7 +2250,8 @@ std::vector<at::Tensor> decode_direct(
                      shared, from.data(), att.data())))
       attention_raw(qx, B, kv_heads, G, 1, D, past + 1, kp, kb, kh, vcp, vb, vh, mp, vs, false,
                     sc, att.data());
-    matmul(att, *p[4], o.data(), u32(5 * l + 1));
+    if (q8) matmul8(att, 12 * l + 6, o.data());
+    else matmul(att, *p[4], o.data(), u32(5 * l + 1));
     add(o);
     rms_rows(raw(x), B, H, u16(*p[6]), 1, e, h.data());
     matmul(h, *p[7], gate.data(), u32(5 * l + 2));
@@ -2221,8 +2271,14 @@ std::vector<at::Tensor> decode_direct(
       std::copy(wb.data_ptr<at::BFloat16>(), wb.data_ptr<at::BFloat16>() + B * top_k,
                 wbf.begin());
     }
-    moe_bf16(raw(h), B, H, idx.data_ptr<int64_t>(), top_k, wbf.data(), u16(*p[8]), u16(*p[9]),
-             E, I, y.data(), u32(5 * l + 3), u32(5 * l + 4));
+    if (q8)
+      moe_i8(raw(h), B, H, idx.data_ptr<int64_t>(), top_k, wbf.data(),
+             quant[12 * l + 8]->data_ptr<int8_t>(), quant[12 * l + 9]->data_ptr<float>(),
+             quant[12 * l + 10]->data_ptr<int8_t>(), quant[12 * l + 11]->data_ptr<float>(), E, I,
+             y.data());
+    else
+      moe_bf16(raw(h), B, H, idx.data_ptr<int64_t>(), top_k, wbf.data(), u16(*p[8]),
+               u16(*p[9]), E, I, y.data(), u32(5 * l + 3), u32(5 * l + 4));
     add(y);
     for (int64_t b = 0; b < B; ++b)
       std::copy(idx.data_ptr<int64_t>() + b * top_k, idx.data_ptr<int64_t>() + (b + 1) * top_k,
@@ -2230,7 +2286,8 @@ std::vector<at::Tensor> decode_direct(
   }
   rms_rows(raw(x), B, H, u16(final_norm), 1, e, h.data());
   auto logits = at::empty({B, 1, V}, lm_head.options());
-  matmul(h, lm_head, logits.data_ptr<at::BFloat16>(), u32(5 * L));
+  if (q8) matmul8(h, 12 * L, logits.data_ptr<at::BFloat16>());
+  else matmul(h, lm_head, logits.data_ptr<at::BFloat16>(), u32(5 * L));
   return {logits, routes};
 }
 
@@ -2263,10 +2320,11 @@ std::vector<at::Tensor> decode_step(const at::Tensor& tokens, int64_t past, at::
                                     const std::vector<c10::optional<at::Tensor>>& quant,
                                     bool direct, const std::vector<at::Tensor>& packed) {
   at::NoGradGuard no_grad;
-  if (direct && quant.empty()) {
+  if (direct) {
     auto out = decode_direct(tokens, past, valid, cos_table, sin_table, embed, final_norm,
                              lm_head, layers, biases, qkv, k_cache, v_cache, heads, kv_heads,
-                             head_dim, top_k, norm_topk, eps, scale, shared, shared_from, packed);
+                             head_dim, top_k, norm_topk, eps, scale, shared, shared_from, packed,
+                             quant);
     if (!out.empty()) return out;
   }
   const Shape s{heads, kv_heads, head_dim, top_k, norm_topk, upcast, eps, scale};
