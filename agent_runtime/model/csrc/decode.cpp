@@ -956,6 +956,22 @@ at::Tensor as_xrows(const at::Tensor& x) {
 template <int M>
 constexpr int kStreams = M == 1 ? 4 : M <= 4 ? 2 : 1;
 
+// The first rows of begin..end for M rows of x taken in `kStreams<M>` streams (`row_streams`,
+// bf16 weights or int8 copies with their scales) where streams serve: AVX2 without AVX512,
+// more than one stream, whole blocks of 16 along k and runs of 8 rows or more. Returns the
+// first row left to the caller's loops (begin where streams do not serve).
+template <int M, class X, class W, class Out>
+inline int64_t streamed(const X* x, const W* w, int64_t K, const float* bias, Out* y, int64_t N,
+                        int64_t begin, int64_t end, const float* scale = nullptr) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  constexpr int S = kStreams<M>;
+  if constexpr (S > 1)
+    if (K % kLanes == 0 && end - begin >= 8 * S)
+      return row_streams<S, M>(x, w, K, bias, y, N, begin, end, scale);
+#endif
+  return begin;
+}
+
 // Outputs begin..end of y [M, N] = x [M, K] @ w [N, K]^T (+ b), on the calling thread.
 // `Stream` as `dot_rows`': false for keys in cache (attention's scores).
 template <int M, bool Stream = true, class Out>
@@ -966,12 +982,7 @@ void rows_range(const XRow* x, const uint16_t* w, int64_t N, int64_t K, const fl
 #endif
   constexpr int NB = kBlock<M>;
   int64_t n = begin;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  constexpr int S = kStreams<M>;
-  if constexpr (S > 1 && Stream)
-    if (K % kLanes == 0 && end - begin >= 8 * S)   // runs of 8 rows or more
-      n = row_streams<S, M>(x, w, K, bias, y, N, begin, end);   // the rest below
-#endif
+  if constexpr (Stream) n = streamed<M>(x, w, K, bias, y, N, begin, end);   // the rest below
   for (; n + NB <= end; n += NB) dot_rows<M, NB, Stream>(x, w, K, n, bias, y, N);
   for (; n < end; ++n) dot_rows<M, 1, Stream>(x, w, K, n, bias, y, N);
 }
@@ -1197,13 +1208,7 @@ template <int M>
 void int8_span(const float* x, const int8_t* w, int64_t N, int64_t K, const float* scale,
                const float* bias, at::BFloat16* y, int64_t begin, int64_t end) {
   constexpr int NB = kBlock<M>;
-  int64_t n = begin;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  constexpr int S = kStreams<M>;                   // as `rows_range`'s
-  if constexpr (S > 1)
-    if (K % kLanes == 0 && end - begin >= 8 * S)
-      n = row_streams<S, M>(x, w, K, bias, y, N, begin, end, scale);   // the rest below
-#endif
+  int64_t n = streamed<M>(x, w, K, bias, y, N, begin, end, scale);   // the rest below
   for (; n + NB <= end; n += NB) dot_rows_i8<M, NB>(x, w, K, n, scale, bias, y, N);
   for (; n < end; ++n) dot_rows_i8<M, 1>(x, w, K, n, scale, bias, y, N);
 }
@@ -2185,11 +2190,10 @@ std::vector<at::Tensor> decode_direct(
     with_rows(B, [&](auto m) { rows_kernel<decltype(m)::value>(xr, u16(w), N, K, nullptr, out); });
   };
   std::vector<float> xf;
-  auto matmul8 = [&](const std::vector<at::BFloat16>& in, int64_t i, at::BFloat16* out) {
+  auto matmul8 = [&](const float* in, int64_t i, at::BFloat16* out) {   // in: B rows, fp32
     const at::Tensor &qw = *quant[i], &qs = *quant[i + 1];    // the copy quant[i], [N, K]
-    const int64_t N = qw.size(0), K = qw.size(1);
-    int8_kernel(B, widened(raw(in), B * K, xf), qw.data_ptr<int8_t>(), N, K,
-                qs.data_ptr<float>(), nullptr, out);
+    int8_kernel(B, in, qw.data_ptr<int8_t>(), qw.size(0), qw.size(1), qs.data_ptr<float>(),
+                nullptr, out);
   };
   std::vector<at::BFloat16> part(q8 ? B * std::max(NQ, NK) : 0);
   auto add = [&](const std::vector<at::BFloat16>& r) {      // x = x + r, as ATen adds bf16
@@ -2211,8 +2215,9 @@ std::vector<at::Tensor> decode_direct(
     rms_rows(raw(x), B, H, u16(*p[0]), 1, e, h.data());
     if (q8) {                                       // q, k and v, each into its columns
       const int64_t first[3] = {0, NQ, NQ + NK}, width[3] = {NQ, NK, NK};
+      const float* hf = widened(raw(h), B * H, xf);    // once for the three
       for (int j = 0; j < 3; ++j) {
-        matmul8(h, 12 * l + 2 * j, part.data());
+        matmul8(hf, 12 * l + 2 * j, part.data());
         for (int64_t b = 0; b < B; ++b)
           std::memcpy(qkvo.data() + b * (NQ + 2 * NK) + first[j], part.data() + b * width[j],
                       width[j] * 2);
@@ -2250,7 +2255,7 @@ std::vector<at::Tensor> decode_direct(
                      shared, from.data(), att.data())))
       attention_raw(qx, B, kv_heads, G, 1, D, past + 1, kp, kb, kh, vcp, vb, vh, mp, vs, false,
                     sc, att.data());
-    if (q8) matmul8(att, 12 * l + 6, o.data());
+    if (q8) matmul8(widened(raw(att), B * NQ, xf), 12 * l + 6, o.data());
     else matmul(att, *p[4], o.data(), u32(5 * l + 1));
     add(o);
     rms_rows(raw(x), B, H, u16(*p[6]), 1, e, h.data());
@@ -2286,7 +2291,7 @@ std::vector<at::Tensor> decode_direct(
   }
   rms_rows(raw(x), B, H, u16(final_norm), 1, e, h.data());
   auto logits = at::empty({B, 1, V}, lm_head.options());
-  if (q8) matmul8(h, 12 * L, logits.data_ptr<at::BFloat16>());
+  if (q8) matmul8(widened(raw(h), B * H, xf), 12 * L, logits.data_ptr<at::BFloat16>());
   else matmul(h, lm_head, logits.data_ptr<at::BFloat16>(), u32(5 * L));
   return {logits, routes};
 }
