@@ -2489,6 +2489,43 @@ std::vector<at::Tensor> sample_rows(const at::Tensor& logits, double temperature
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, v));
       }
       total = lane_sum(sum);
+#elif defined(__AVX2__) && defined(__FMA__)
+      // the AVX512 loops' values in two halves of 8 lanes (`exp8_ps` has `exp_ps`'s bits;
+      // lanes 0-7 and 8-15 of each block of 16 summed apart, then `lane_sum`'s tree), the
+      // last partial block one value at a time (`exp_one`): the same token and logprob bits
+      // as an AVX512 CPU, where the scalar loop below took ~37 us a row of 8,192 (libm's exp)
+      const __m256 it = _mm256_set1_ps(t);
+      const bool one = t == 1.0f;                  // x / 1 is x: no division (greedy too)
+      auto scaled = [&](const float* p) {
+        return one ? _mm256_loadu_ps(p) : _mm256_div_ps(_mm256_loadu_ps(p), it);
+      };
+      const int64_t whole = V / kLanes * kLanes;
+      __m256 top = _mm256_set1_ps(-INFINITY);
+      for (int64_t i = 0; i + 8 <= V; i += 8) top = _mm256_max_ps(top, scaled(r + i));
+      float tops[8];
+      _mm256_storeu_ps(tops, top);
+      for (float v : tops) mx = std::max(mx, v);
+      for (int64_t i = V / 8 * 8; i < V; ++i) mx = std::max(mx, r[i] / t);
+      for (int64_t i = 0; greedy && i < V; ++i)    // the first holding it
+        if (r[i] / t == mx) { arg = i; break; }
+      const __m256 m = _mm256_set1_ps(mx);
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int64_t i = 0; i < whole; i += kLanes) {
+        const __m256 a = exp8_ps(_mm256_sub_ps(scaled(r + i), m));
+        const __m256 b = exp8_ps(_mm256_sub_ps(scaled(r + i + 8), m));
+        _mm256_storeu_ps(e.data() + i, a);
+        _mm256_storeu_ps(e.data() + i + 8, b);
+        lo = _mm256_add_ps(lo, a);
+        hi = _mm256_add_ps(hi, b);
+      }
+      float lanes[kLanes];
+      _mm256_storeu_ps(lanes, lo);
+      _mm256_storeu_ps(lanes + 8, hi);
+      for (int64_t i = whole; i < V; ++i) {
+        e[i] = exp_one(r[i] / t - mx);
+        lanes[i - whole] += e[i];
+      }
+      total = lane_sum(lanes);
 #else
       for (int64_t i = 0; i < V; ++i)
         if (r[i] / t > mx) mx = r[i] / t, arg = i;
