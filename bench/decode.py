@@ -17,7 +17,8 @@ matmul bound of prefill (operations per token over the measured speed of one lar
 and the ratios ours/transformers; with --rows N, last, our decode tokens/s with N rows of one
 batch (a GRPO group: one prompt, rows sampled at temperature 1) against one row sampled alike,
 and the most that ratio could be if both read their weights at one bandwidth (N rows read the
-union of their experts: measured from their routes);
+union of their experts: measured from their routes) or if the N rows' arithmetic ran at the
+large matmul's speed (2 operations per active weight and row, plus attention);
 with --quantize int8, last, bf16 decode with int8 copies of the weights (`quantize`) against
 bf16, with its own bandwidth bound (fewer bytes a token) and how many greedy tokens agree.
 """
@@ -119,6 +120,14 @@ def prefill_flops(model: MoEModel, prompt_len: int) -> float:
     weights = active_bytes(model) / model.embed_tokens.weight.element_size()
     attention = 4 * a.num_layers * a.num_heads * a.head_dim * prompt_len / 2
     return 2 * weights + attention
+
+
+def decode_flops(model: MoEModel, context: float) -> float:
+    """Operations per decoded token of one row: 2 per active weight (its own top_k experts),
+    plus attention's scores and values over `context` cached positions."""
+    a = model.args
+    weights = active_bytes(model) / model.embed_tokens.weight.element_size()
+    return 2 * weights + 4 * a.num_layers * a.num_heads * a.head_dim * context
 
 
 def active_bytes(model: MoEModel) -> int:
@@ -259,7 +268,8 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         ours = load_model(path, dtype=dtype, device=args.device)
         ours_args = ours.args
-        compute = matmul_flops(args.device, ours.dtype) / prefill_flops(ours, args.prompt_len)
+        flops = matmul_flops(args.device, ours.dtype)
+        compute = flops / prefill_flops(ours, args.prompt_len)
         before = bandwidths(args.device)         # on both sides: the machine's varies by 2x
         pre, full, toks = time_ours(ours, prompt, args.new_tokens, args.device, args.reps)
         after = bandwidths(args.device)
@@ -276,7 +286,9 @@ def main() -> None:
             many, experts = time_rows(ours, prompt, args.new_tokens, args.device, args.reps,
                                       args.rows)
             row.update(rows_1=one, rows_n=many, rows_experts=experts,
-                       rows_bound=args.rows * active_bytes(ours) / rows_bytes(ours, experts))
+                       rows_bound=args.rows * active_bytes(ours) / rows_bytes(ours, experts),
+                       rows_flops=flops, rows_compute=flops / decode_flops(
+                           ours, args.prompt_len + args.new_tokens / 2))
         if args.quantize and ours.dtype == torch.bfloat16:
             quantize(ours, args.quantize)
             bw8 = memory_bandwidth(args.device)
@@ -332,7 +344,9 @@ def main() -> None:
             f"{r['dtype']}: rows {args.rows} {r['rows_n']:.1f} / rows 1 {r['rows_1']:.1f} = "
             f"{r['rows_n'] / r['rows_1']:.2f}x (their experts: {r['rows_experts']:.1f} a layer, "
             f"one row's {ours_args.top_k}; at one bandwidth the rows' bytes allow at most "
-            f"{r['rows_bound']:.2f}x)" for r in rows))
+            f"{r['rows_bound']:.2f}x; at the large matmul's {r['rows_flops'] / 1e9:.1f} GFLOP/s "
+            f"their arithmetic allows at most {r['rows_compute']:.0f} tokens/s, "
+            f"{r['rows_compute'] / r['rows_1']:.2f}x)" for r in rows))
     if any("int8_decode" in r for r in rows):
         print("int8 weight copies (bf16 decode, tokens/s): " + "  ".join(
             f"int8 {r['int8_decode']:.1f} (bw bound {r['int8_bound']:.1f}, "
