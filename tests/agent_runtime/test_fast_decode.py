@@ -580,7 +580,8 @@ def test_sample_rows_draws_what_the_tensor_path_draws(built, dtype, vocab):
     """The fused sampler against `generate`'s tensor path on the same uniform numbers: greedy
     is argmax (the first of tied maxima) with log_softmax's logprob; sampled at temperature
     0.7 the same tokens (the inverse of the cumulative sum at u) and logprobs within fp32
-    rounding; tokens at -inf are never drawn, and a row with no finite logit is refused."""
+    rounding; tokens at -inf are never drawn, and a row with no finite logit or with a NaN
+    is refused."""
     from agent_runtime.model import generate as gen_mod
     ext = fast_decode.extension()
     g = torch.Generator().manual_seed(vocab)
@@ -605,6 +606,12 @@ def test_sample_rows_draws_what_the_tensor_path_draws(built, dtype, vocab):
     assert ext.sample_rows(edge[:1], 1.0, torch.tensor([0.999]))[0].tolist() == [vocab - 1]
     with pytest.raises(RuntimeError, match="no finite maximum"):
         ext.sample_rows(edge, 1.0, torch.tensor([0.5, 0.5]))
+    for col in (0, vocab - 1):                               # one NaN, in a block or the tail
+        bad = logits[:2].clone()
+        bad[1, col] = float("nan")
+        for temperature in (0.0, 0.7):
+            with pytest.raises(RuntimeError, match="no finite maximum"):
+                ext.sample_rows(bad, temperature, torch.tensor([0.5, 0.5]))
     with pytest.raises(RuntimeError, match="one uniform number per row"):
         ext.sample_rows(logits, 1.0)
 

@@ -2468,11 +2468,14 @@ std::vector<at::Tensor> sample_rows(const at::Tensor& logits, double temperature
 #if defined(__AVX512F__)
       const __m512 it = _mm512_set1_ps(t);
       __m512 top = _mm512_set1_ps(-INFINITY);
-      for (int64_t i = 0; i < V; i += kLanes) {
+      __mmask16 nan = 0;                           // a NaN anywhere refuses the row, as the
+      for (int64_t i = 0; i < V; i += kLanes) {    // scalar loop's exp does
         const __mmask16 k = V - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
-        top = _mm512_mask_max_ps(top, k, top, _mm512_div_ps(_mm512_maskz_loadu_ps(k, r + i), it));
+        const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, r + i), it);
+        nan |= _mm512_mask_cmp_ps_mask(k, v, v, _CMP_UNORD_Q);
+        top = _mm512_mask_max_ps(top, k, top, v);
       }
-      mx = _mm512_reduce_max_ps(top);
+      mx = nan ? NAN : _mm512_reduce_max_ps(top);
       const __m512 m = _mm512_set1_ps(mx);
       for (int64_t i = 0; greedy && i < V && arg < 0; i += kLanes) {   // the first holding it
         const __mmask16 k = V - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
@@ -2493,19 +2496,28 @@ std::vector<at::Tensor> sample_rows(const at::Tensor& logits, double temperature
       // the AVX512 loops' values in two halves of 8 lanes (`exp8_ps` has `exp_ps`'s bits;
       // lanes 0-7 and 8-15 of each block of 16 summed apart, then `lane_sum`'s tree), the
       // last partial block one value at a time (`exp_one`): the same token and logprob bits
-      // as an AVX512 CPU, where the scalar loop below took ~37 us a row of 8,192 (libm's exp)
+      // as an AVX512 CPU, where the scalar loop below took ~80 us a row of 8,192 (libm's exp)
       const __m256 it = _mm256_set1_ps(t);
       const bool one = t == 1.0f;                  // x / 1 is x: no division (greedy too)
       auto scaled = [&](const float* p) {
         return one ? _mm256_loadu_ps(p) : _mm256_div_ps(_mm256_loadu_ps(p), it);
       };
       const int64_t whole = V / kLanes * kLanes;
-      __m256 top = _mm256_set1_ps(-INFINITY);
-      for (int64_t i = 0; i + 8 <= V; i += 8) top = _mm256_max_ps(top, scaled(r + i));
+      __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+      for (int64_t i = 0; i + 8 <= V; i += 8) {
+        const __m256 v = scaled(r + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        top = _mm256_max_ps(top, v);
+      }
       float tops[8];
       _mm256_storeu_ps(tops, top);
       for (float v : tops) mx = std::max(mx, v);
-      for (int64_t i = V / 8 * 8; i < V; ++i) mx = std::max(mx, r[i] / t);
+      bool bad = _mm256_movemask_ps(nan) != 0;     // a NaN anywhere refuses the row, as the
+      for (int64_t i = V / 8 * 8; i < V; ++i) {    // scalar loop's exp does
+        bad |= std::isnan(r[i]);
+        mx = std::max(mx, r[i] / t);
+      }
+      if (bad) mx = NAN;
       for (int64_t i = 0; greedy && i < V; ++i)    // the first holding it
         if (r[i] / t == mx) { arg = i; break; }
       const __m256 m = _mm256_set1_ps(mx);
