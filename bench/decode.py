@@ -114,20 +114,17 @@ def matmul_flops(device: str, dtype: torch.dtype) -> float:
     return 2 * n ** 3 / min(times[1:])
 
 
-def prefill_flops(model: MoEModel, prompt_len: int) -> float:
-    """Operations per prompt token: 2 per active weight, plus attention over half the prompt."""
-    a = model.args
-    weights = active_bytes(model) / model.embed_tokens.weight.element_size()
-    attention = 4 * a.num_layers * a.num_heads * a.head_dim * prompt_len / 2
-    return 2 * weights + attention
-
-
 def decode_flops(model: MoEModel, context: float) -> float:
     """Operations per decoded token of one row: 2 per active weight (its own top_k experts),
     plus attention's scores and values over `context` cached positions."""
     a = model.args
     weights = active_bytes(model) / model.embed_tokens.weight.element_size()
     return 2 * weights + 4 * a.num_layers * a.num_heads * a.head_dim * context
+
+
+def prefill_flops(model: MoEModel, prompt_len: int) -> float:
+    """Operations per prompt token: a decoded token's, attending to half the prompt."""
+    return decode_flops(model, prompt_len / 2)
 
 
 def active_bytes(model: MoEModel) -> int:
